@@ -1,0 +1,113 @@
+"""prefill-server: serve | vllm-config | convert-model | demo | bench."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from prefill_server.config import TRANSFER_MODES, EngineConfig, ServerConfig
+
+
+def _serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="run the prefill engine and the OpenAI-compatible gateway",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    d, s = EngineConfig(), ServerConfig()
+    p.add_argument("--model", default=None,
+                   help="Hugging Face model folder (config.json + safetensors + tokenizer.json); "
+                        "default: the embedded SmolLM2-135M-Instruct, converted once into the cache")
+    p.add_argument("--host", default=s.host, help="gateway listen address")
+    p.add_argument("--port", type=int, default=s.port, help="gateway listen port (0 = any free port)")
+    p.add_argument("--decode-url", default=None,
+                   help="base URL of the decode instance (vLLM OpenAI server), e.g. http://127.0.0.1:8100")
+    p.add_argument("--transfer-mode", default=s.transfer_mode, choices=TRANSFER_MODES,
+                   help="nixl-compat: act as a stock vLLM NixlConnector producer (decode pulls); "
+                        "connector: our own vLLM connector (streaming push; not yet available); "
+                        "local: no decode, answer with the first token and hold KV under a lease")
+    p.add_argument("--served-model-name", default=None,
+                   help="model id clients send; default: the decode's model id (local mode: the folder)")
+    p.add_argument("--dtype", default=d.dtype, help="auto | float32 | bfloat16 | float16 (match the decode's)")
+    p.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--block-size", type=int, default=d.block_size,
+                   help="tokens per KV block; must equal the decode's --block-size")
+    p.add_argument("--kv-cache-gib", type=float, default=d.kv_cache_gib, help="KV pool size in GiB")
+    p.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks,
+                   help="KV pool size in blocks (overrides --kv-cache-gib when > 0)")
+    p.add_argument("--token-budget", type=int, default=d.token_budget,
+                   help="prompt tokens per forward step (longer prompts are chunked)")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences per forward step")
+    p.add_argument("--max-queue-wait", type=float, default=d.max_queue_wait_s,
+                   help="seconds a request may wait for free KV blocks before failing with 503")
+    p.add_argument("--lease-ttl", type=float, default=d.lease_ttl_s,
+                   help="seconds finished KV is held for the decode (heartbeats extend it)")
+    p.add_argument("--side-channel-host", default=s.side_channel_host,
+                   help="address the decode reaches for the NIXL handshake (nixl-compat)")
+    p.add_argument("--side-channel-port", type=int, default=s.side_channel_port,
+                   help="NIXL handshake port (0 = any free port)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--log-level", default="info", help="debug | info | warning | error")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="prefill-server", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    _serve_parser(sub)
+    vc = sub.add_parser("vllm-config", help="print the --kv-transfer-config JSON a vLLM decode needs")
+    vc.add_argument("--transfer-mode", default="nixl-compat", choices=[m for m in TRANSFER_MODES if m != "local"])
+    vc.add_argument("--server", default=None, help="this server's URL (for connector mode)")
+    cm = sub.add_parser("convert-model", help="convert the embedded SmolLM2 GGUF into a cached HF folder")
+    cm.add_argument("--force", action="store_true", help="convert again even if cached")
+    dm = sub.add_parser("demo", help="run the whole pipeline locally: a vLLM decode + this server")
+    dm.add_argument("--prompt", default="Write one sentence about the sea.")
+    dm.add_argument("--dtype", default="float32")
+    bn = sub.add_parser("bench", help="benchmarks (attention)")
+    bn.add_argument("what", choices=["attention"])
+    bn.add_argument("rest", nargs=argparse.REMAINDER)
+    args = ap.parse_args(argv)
+
+    if args.cmd == "vllm-config":
+        return _vllm_config(args)
+    if args.cmd == "convert-model":
+        from prefill_server.models.registry import convert_default_model
+        print(convert_default_model(force=args.force))
+        return 0
+    if args.cmd == "demo":
+        from prefill_server.demo import run_demo
+        return run_demo(args.prompt, args.dtype)
+    if args.cmd == "bench":
+        from prefill_server.bench.attention import main as bench_attention
+        return bench_attention(args.rest) or 0
+    return _serve(args)
+
+
+def _vllm_config(args) -> int:
+    if args.transfer_mode == "nixl-compat":
+        print(json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}))
+        return 0
+    print("error: --transfer-mode connector is not available yet; use nixl-compat", file=sys.stderr)
+    return 2
+
+
+def _serve(args) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ecfg = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+                        num_kv_blocks=args.num_kv_blocks, kv_cache_gib=args.kv_cache_gib,
+                        token_budget=args.token_budget, max_num_seqs=args.max_num_seqs,
+                        max_queue_wait_s=args.max_queue_wait, lease_ttl_s=args.lease_ttl)
+    scfg = ServerConfig(host=args.host, port=args.port, decode_url=args.decode_url,
+                        transfer_mode=args.transfer_mode, side_channel_host=args.side_channel_host,
+                        side_channel_port=args.side_channel_port, served_model_name=args.served_model_name,
+                        api_key=args.api_key)
+    try:
+        ecfg.validate()
+        scfg.validate()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from prefill_server.serving.server import serve
+    serve(ecfg, scfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

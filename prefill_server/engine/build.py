@@ -1,0 +1,55 @@
+"""Build an engine from an EngineConfig: resolve and load the model, size the pool, pick the device."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from prefill_server.config import EngineConfig
+from prefill_server.engine.kv_pool import KVPool
+from prefill_server.engine.runner import ModelRunner
+from prefill_server.models.config import ModelConfig, parse_dtype
+from prefill_server.models.registry import resolve_model
+from prefill_server.models.tokenizer import Tokenizer
+from prefill_server.models.weights import load_model
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    path: str
+    config: ModelConfig
+    model: torch.nn.Module
+    tokenizer: Tokenizer
+    dtype: torch.dtype
+    device: torch.device
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def load(cfg: EngineConfig) -> LoadedModel:
+    path = resolve_model(cfg.model)
+    device = pick_device(cfg.device)
+    mcfg = ModelConfig.from_hf_dir(path)
+    dtype = mcfg.dtype if cfg.dtype == "auto" else parse_dtype(cfg.dtype)
+    mcfg, model = load_model(path, dtype=dtype, device=device)
+    return LoadedModel(str(path), mcfg, model.eval(), Tokenizer(path), dtype, device)
+
+
+def make_pool(cfg: EngineConfig, m: LoadedModel) -> KVPool:
+    c = m.config
+    per_block = c.num_layers * c.num_kv_heads * cfg.block_size * 2 * c.head_dim * m.dtype.itemsize
+    num_blocks = cfg.num_kv_blocks or max(1, int(cfg.kv_cache_gib * 2**30) // per_block)
+    log.info("KV pool: %d blocks x %d tokens (%.2f GiB)", num_blocks, cfg.block_size,
+             num_blocks * per_block / 2**30)
+    return KVPool(c.num_layers, num_blocks, c.num_kv_heads, cfg.block_size, c.head_dim, m.dtype, m.device)
+
+
+def make_runner(m: LoadedModel, pool: KVPool) -> ModelRunner:
+    return ModelRunner(m.model, pool, m.config.head_dim, m.device)

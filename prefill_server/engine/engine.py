@@ -1,0 +1,204 @@
+"""The prefill engine: one thread runs ``schedule -> forward -> sample -> publish KV -> release``.
+
+Request lifecycle (who frees what):
+
+    submit ──> WAITING ──(pool holds the whole prompt)──> RUNNING (chunks over several steps)
+                  │  queue wait > max_queue_wait_s: fail (PoolExhausted), nothing allocated
+                  │  abort: removed, nothing allocated
+                  v
+    RUNNING ──(last chunk computed)──> first token sampled ──> producer.publish(blocks)
+                  │  forward raises / abort: blocks freed here, future fails
+                  v
+    PUBLISHED: the blocks belong to a pool lease keyed by request id. The producer frees them when
+               the decode says it has read them, when the lease expires (no reader, no heartbeat),
+               or on ``release``/``abort`` (client gave up, decode call failed).
+
+The engine never frees leased blocks itself; the producer never frees running blocks. A failed step
+fails only the requests in that step and the loop keeps serving.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+
+import torch
+
+from prefill_server.engine.kv_pool import KVPool
+from prefill_server.engine.runner import ModelRunner
+from prefill_server.engine.sampling import sample_first_token
+from prefill_server.engine.scheduler import Scheduler, Sequence
+from prefill_server.engine.types import PrefillRequest, PrefillResult, Timings
+from prefill_server.errors import InvalidRequest, PoolExhausted, PromptTooLong, RequestCancelled
+from prefill_server.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, pool: KVPool, producer, *, max_model_len: int,
+                 vocab_size: int, token_budget: int, max_num_seqs: int, max_queue_wait_s: float,
+                 metrics: Metrics | None = None):
+        self.runner, self.pool, self.producer = runner, pool, producer
+        self.max_model_len, self.vocab_size = max_model_len, vocab_size
+        self.scheduler = Scheduler(pool, token_budget, max_num_seqs, max_queue_wait_s)
+        self.metrics = metrics or Metrics()
+        self.metrics.blocks_total.set(pool.num_blocks)
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._aborts: set[str] = set()
+        self._expired_seen = 0
+
+    # ---- lifecycle ----
+    def start(self) -> None:
+        self.producer.start()
+        self._thread = threading.Thread(target=self._loop, name="prefill-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify_all()
+        if self._thread:
+            self._thread.join(timeout=30)
+        self.producer.stop()
+
+    # ---- API (any thread) ----
+    def validate(self, req: PrefillRequest) -> None:
+        n = len(req.prompt_token_ids)
+        if n == 0:
+            raise InvalidRequest("the prompt is empty: send at least one token", field="prompt")
+        if n > self.max_model_len:
+            raise PromptTooLong(f"the prompt has {n} tokens, more than the model's context of "
+                                f"{self.max_model_len}: shorten it", field="prompt")
+        bad = [t for t in req.prompt_token_ids if not (0 <= t < self.vocab_size)]
+        if bad:
+            raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                                 field="prompt")
+        req.sampling.validate()
+        self.scheduler.check_fits(n)
+
+    def submit(self, req: PrefillRequest) -> Future:
+        """Queue a prefill; the future resolves to a PrefillResult. Raises InvalidRequest at once."""
+        self.validate(req)
+        fut: Future = Future()
+        with self._wake:
+            if self.scheduler.find(req.request_id) or self.pool.get_lease(req.request_id):
+                raise InvalidRequest(f"request id {req.request_id!r} is already in use", field="request_id")
+            self.scheduler.add(Sequence(req, fut))
+            self.metrics.queue_depth.set(self.scheduler.num_waiting)
+            self._wake.notify_all()
+        return fut
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a queued/running request or release a finished one's KV. True if anything was freed."""
+        with self._wake:
+            seq = self.scheduler.find(request_id)
+            if seq is not None:
+                self._aborts.add(request_id)  # the loop removes it between steps
+                self._wake.notify_all()
+                return True
+        return bool(self.producer.abort(request_id))
+
+    # ---- the loop ----
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stop and not self.scheduler.has_work():
+                    self._wake.wait(timeout=0.5)
+                if self._stop:
+                    self._fail_all(RequestCancelled("server shutting down"))
+                    return
+                self._apply_aborts()
+                chunks, timed_out = self.scheduler.schedule()
+            for seq in timed_out:
+                self._fail(seq, PoolExhausted(
+                    f"no KV blocks freed up within {self.scheduler.max_queue_wait_s:.0f} s "
+                    f"({self.pool.num_free} of {self.pool.num_blocks} free): retry later"))
+            if not chunks:
+                time.sleep(0.005)  # waiting for leases to end
+                continue
+            self.step(chunks)
+
+    def step(self, chunks) -> None:
+        try:
+            logits = self.runner.run(chunks)
+        except Exception as e:  # a failed forward fails its requests only
+            log.exception("forward failed for %d chunk(s)", len(chunks))
+            with self._wake:
+                for c in chunks:
+                    self._fail(c.seq, e, locked=True)
+            return
+        with self._wake:
+            done = self.scheduler.advance(chunks)
+        for i, seq in enumerate(done):
+            self._finish(seq, logits[i])
+        self.refresh_metrics()
+
+    def _finish(self, seq: Sequence, logits: torch.Tensor) -> None:
+        req = seq.request
+        try:
+            token = sample_first_token(logits, req.sampling)
+            blocks, seq.block_ids = seq.block_ids, []
+            params = self.producer.publish(req.request_id, blocks, seq.num_tokens)
+        except Exception as e:
+            log.exception("publishing KV failed for %s", req.request_id)
+            self._fail(seq, e)
+            return
+        now = time.monotonic()
+        t0 = seq.t_first_scheduled or now
+        timings = Timings(queued_s=t0 - seq.t_submit, prefill_s=now - t0, total_s=now - seq.t_submit)
+        m = self.metrics
+        m.ttft.observe(timings.total_s)
+        m.prefill_time.observe(timings.prefill_s)
+        m.queue_time.observe(timings.queued_s)
+        m.prompt_tokens.inc(seq.num_tokens)
+        m.kv_bytes.inc(len(blocks) * self.pool.block_bytes * self.pool.num_layers)
+        m.requests.labels("ok").inc()
+        result = PrefillResult(req.request_id, token, seq.num_tokens, 0, params, timings)
+        if not seq.future.set_running_or_notify_cancel():
+            self.producer.abort(req.request_id)  # the caller went away: free at once
+            return
+        seq.future.set_result(result)
+
+    def _fail(self, seq: Sequence, err: BaseException, locked: bool = False) -> None:
+        if locked:
+            self.scheduler.remove(seq)
+        else:
+            with self._wake:
+                self.scheduler.remove(seq)
+        self.metrics.requests.labels(type(err).__name__).inc()
+        if not seq.future.done():
+            if seq.future.set_running_or_notify_cancel():
+                seq.future.set_exception(err)
+
+    def _apply_aborts(self) -> None:  # called with the lock held
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            if seq.future.cancelled():  # the caller went away (client disconnect, deadline)
+                self._aborts.add(seq.request_id)
+        for rid in list(self._aborts):
+            seq = self.scheduler.find(rid)
+            if seq is not None:
+                self._fail(seq, RequestCancelled(f"request {rid} was aborted"), locked=True)
+        self._aborts.clear()
+
+    def _fail_all(self, err: BaseException) -> None:  # lock held
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self._fail(seq, err, locked=True)
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        m.blocks_in_use.set(self.pool.num_used)
+        m.queue_depth.set(self.scheduler.num_waiting)
+        m.running.set(len(self.scheduler.running))
+        expired = self.pool.expired_total
+        if expired > self._expired_seen:
+            m.lease_expired.inc(expired - self._expired_seen)
+            self._expired_seen = expired
+
+    def refresh_metrics(self) -> None:
+        """Bring gauges up to date (called after each step and on every /metrics scrape)."""
+        self._update_gauges()

@@ -1,0 +1,156 @@
+"""Paged KV pool: block allocation, page layout, and leases on finished requests' blocks.
+
+Memory: one contiguous tensor ``kv[L, num_blocks, H, N, 2*D]`` (layers, blocks, KV heads, tokens per
+block, K then V channels). One block of one layer is vLLM 0.32's page ``[H, N, K|V]`` ("LBHNC"), so a
+decode reads it with one descriptor per (layer, run of contiguous blocks). The whole tensor is one
+region to register with NIXL.
+
+Ownership: the engine allocates blocks for a request while it is prefilled; when the prefill
+finishes, the blocks pass to a *lease* keyed by the request id. A lease ends by ``release`` (the
+decode's notification that it has read them, an abort, an explicit Release call) or by expiry (the
+decode never came; heartbeats extend it). Every path ends in ``free``: nothing is stranded.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from prefill_server.errors import PoolExhausted
+
+
+@dataclass
+class Lease:
+    request_id: str
+    block_ids: list[int]
+    expires_at: float  # time.monotonic() deadline
+    num_tokens: int = 0
+    meta: dict = field(default_factory=dict)
+
+
+class KVPool:
+    def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int,
+                 head_dim: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_layers, self.num_blocks = num_layers, num_blocks
+        self.num_kv_heads, self.block_size, self.head_dim = num_kv_heads, block_size, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        # kv: [L, NB, H, N, 2D]
+        self.kv = torch.zeros(num_layers, num_blocks, num_kv_heads, block_size, 2 * head_dim,
+                              dtype=dtype, device=self.device)
+        self._lock = threading.Lock()
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self._leases: dict[str, Lease] = {}
+        self.expired_total = 0
+
+    # ---- geometry (what a peer needs to address pages) ----
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of one layer: H * N * 2D * itemsize."""
+        return self.num_kv_heads * self.block_size * 2 * self.head_dim * self.kv.element_size()
+
+    @property
+    def layer_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    def layer_base_addr(self, layer: int) -> int:
+        return self.kv.data_ptr() + layer * self.layer_bytes
+
+    def layer_view(self, layer: int) -> torch.Tensor:
+        """[NB, H, N, 2D] view of one layer's pages."""
+        return self.kv[layer]
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    # ---- allocation ----
+    @property
+    def num_free(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    def allocate(self, n: int) -> list[int]:
+        with self._lock:
+            if n > len(self._free):
+                raise PoolExhausted(f"KV pool has {len(self._free)} free blocks, {n} needed")
+            return [self._free.pop() for _ in range(n)]
+
+    def free(self, block_ids: list[int]) -> None:
+        with self._lock:
+            self._free.extend(reversed(block_ids))
+            assert len(self._free) <= self.num_blocks, "double free in KV pool"
+
+    # ---- page I/O ----
+    def slot_mapping(self, block_ids: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block index, offset) per token position in [start, end) of a request owning block_ids."""
+        pos = torch.arange(start, end)
+        blocks = torch.tensor(block_ids, dtype=torch.long)[pos // self.block_size]
+        return blocks.to(self.device), (pos % self.block_size).to(self.device)
+
+    def write(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [T, H, D] written at (blocks[t], offsets[t])."""
+        d = self.head_dim
+        page = self.kv[layer]  # [NB, H, N, 2D]
+        page[blocks, :, offsets, :d] = k.to(self.dtype)
+        page[blocks, :, offsets, d:] = v.to(self.dtype)
+
+    def read(self, layer: int, block_ids: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of the first num_tokens tokens of a request: each [T, H, D]."""
+        idx = torch.tensor(block_ids[: self.blocks_needed(num_tokens)], dtype=torch.long, device=self.device)
+        pages = self.kv[layer].index_select(0, idx)  # [b, H, N, 2D]
+        flat = pages.permute(0, 2, 1, 3).reshape(-1, self.num_kv_heads, 2 * self.head_dim)[:num_tokens]
+        return flat[..., : self.head_dim], flat[..., self.head_dim:]
+
+    # ---- leases ----
+    def lease(self, request_id: str, block_ids: list[int], ttl_s: float, num_tokens: int = 0,
+              meta: dict | None = None) -> Lease:
+        with self._lock:
+            assert request_id not in self._leases, f"lease {request_id} exists"
+            lease = Lease(request_id, list(block_ids), time.monotonic() + ttl_s, num_tokens, meta or {})
+            self._leases[request_id] = lease
+            return lease
+
+    def extend(self, request_id: str, ttl_s: float) -> bool:
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None:
+                return False
+            lease.expires_at = max(lease.expires_at, time.monotonic() + ttl_s)
+            return True
+
+    def get_lease(self, request_id: str) -> Lease | None:
+        with self._lock:
+            return self._leases.get(request_id)
+
+    def release(self, request_id: str) -> bool:
+        """End a lease and free its blocks; False if no such lease (already freed)."""
+        with self._lock:
+            lease = self._leases.pop(request_id, None)
+        if lease is None:
+            return False
+        self.free(lease.block_ids)
+        return True
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Free every lease past its deadline; returns their request ids."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            dead = [rid for rid, lz in self._leases.items() if lz.expires_at <= now]
+            leases = [self._leases.pop(rid) for rid in dead]
+        for lz in leases:
+            self.free(lz.block_ids)
+        self.expired_total += len(dead)
+        return dead
+
+    @property
+    def num_leases(self) -> int:
+        with self._lock:
+            return len(self._leases)

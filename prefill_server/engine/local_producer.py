@@ -1,0 +1,35 @@
+"""Transfer mode ``local``: no decode peer; the KV stays in the pool under a lease until the client
+releases it (gRPC ``Release``) or it expires. Used by tests and benchmarks of the engine alone."""
+from __future__ import annotations
+
+import threading
+
+from prefill_server.engine.kv_pool import KVPool
+
+
+class LocalProducer:
+    def __init__(self, pool: KVPool, lease_ttl_s: float = 30.0):
+        self.pool, self.lease_ttl_s = pool, lease_ttl_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._expire_loop, name="lease-expiry", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=5)
+
+    def _expire_loop(self) -> None:
+        while not self._stop.wait(0.5):
+            self.pool.expire()
+
+    def publish(self, request_id: str, block_ids: list[int], num_tokens: int) -> dict:
+        self.pool.lease(request_id, block_ids, self.lease_ttl_s, num_tokens)
+        return {"transfer_mode": "local", "request_id": request_id, "num_tokens": num_tokens,
+                "block_ids": list(block_ids)}
+
+    def abort(self, request_id: str) -> bool:
+        return self.pool.release(request_id)

@@ -1,0 +1,79 @@
+"""Model runner: turns a step's chunks into one flattened forward over the paged KV pool.
+
+Tokens of all chunks are concatenated ([T] ids and positions); at every layer the attention context
+writes the chunk's K/V into the pool pages, then attends each chunk's queries to its sequence's keys
+(earlier chunks read back from the pool, the current chunk's straight from the projection).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from prefill_server.engine.kv_pool import KVPool
+from prefill_server.engine.scheduler import Chunk
+from prefill_server.layers.attention import dense_attention
+
+
+@dataclass
+class _SeqSlice:
+    q_start: int  # offset of this chunk's tokens in the flattened batch
+    q_end: int
+    start: int  # prompt positions [start, end) computed now
+    end: int
+    block_ids: list[int]
+
+
+class PagedAttention:
+    """The ``attn(layer, q, k, v)`` callable the model calls at each layer for one step."""
+
+    def __init__(self, pool: KVPool, slices: list[_SeqSlice], scale: float, sparse=None):
+        self.pool, self.slices, self.scale, self.sparse = pool, slices, scale, sparse
+        blocks, offsets = zip(*(pool.slot_mapping(s.block_ids, s.start, s.end) for s in slices))
+        self.blocks, self.offsets = torch.cat(blocks), torch.cat(offsets)  # [T] each
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q [T, Hq, D], k/v [T, Hkv, D] -> o [T, Hq, D]
+        self.pool.write(layer, self.blocks, self.offsets, k, v)
+        out = torch.empty_like(q)
+        for s in self.slices:
+            if s.start == 0:
+                ks, vs = k[s.q_start:s.q_end], v[s.q_start:s.q_end]
+            else:  # earlier chunks live in the pool; read back [0, end)
+                ks, vs = self.pool.read(layer, s.block_ids, s.end)
+                ks, vs = ks.to(q.dtype), vs.to(q.dtype)
+            qs = q[s.q_start:s.q_end]
+            if self.sparse is not None and self.sparse.wants(layer, s.end):
+                out[s.q_start:s.q_end] = self.sparse.attend(layer, qs, ks, vs, self.scale)
+            else:
+                out[s.q_start:s.q_end] = dense_attention(qs, ks, vs, self.scale)
+        return out
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, pool: KVPool, head_dim: int, device: torch.device,
+                 sparse=None):
+        self.model, self.pool, self.device = model, pool, device
+        self.scale = head_dim ** -0.5
+        self.sparse = sparse
+
+    @torch.inference_mode()
+    def run(self, chunks: list[Chunk]) -> torch.Tensor | None:
+        """Forward one step; returns float32 logits [n_last, V] for the chunks that end a prompt
+        (in chunk order), or None if none does."""
+        ids, pos, slices, last_rows = [], [], [], []
+        t = 0
+        for c in chunks:
+            n = c.end - c.start
+            ids.extend(c.seq.request.prompt_token_ids[c.start:c.end])
+            pos.append(torch.arange(c.start, c.end))
+            slices.append(_SeqSlice(t, t + n, c.start, c.end, c.seq.block_ids))
+            t += n
+            if c.is_last:
+                last_rows.append(t - 1)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        positions = torch.cat(pos).to(self.device)
+        attn = PagedAttention(self.pool, slices, self.scale, self.sparse)
+        idx = torch.tensor(last_rows, dtype=torch.long, device=self.device)
+        logits = self.model(input_ids, positions, attn, idx)  # [n_last, V]; empty rows are cheap
+        return logits if last_rows else None

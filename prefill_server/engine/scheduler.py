@@ -1,0 +1,129 @@
+"""Token-budget scheduler with chunked prefill.
+
+Each step takes up to ``token_budget`` prompt tokens from up to ``max_num_seqs`` sequences: first the
+continuing chunks of sequences already running (oldest first), then new sequences admitted FIFO when
+the pool can hold their whole prompt. A prompt longer than the budget is split into chunks over
+several steps; later chunks attend to the earlier chunks' K/V through the pool.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from prefill_server.engine.kv_pool import KVPool
+from prefill_server.engine.types import PrefillRequest
+from prefill_server.errors import PoolExhausted, PromptTooLong
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: PrefillRequest
+    future: Future
+    t_submit: float = field(default_factory=time.monotonic)
+    t_first_scheduled: float | None = None
+    block_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    seq: Sequence
+    start: int  # first prompt position computed in this step
+    end: int  # one past the last
+
+    @property
+    def is_last(self) -> bool:
+        return self.end == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, pool: KVPool, token_budget: int, max_num_seqs: int, max_queue_wait_s: float):
+        assert token_budget > 0 and max_num_seqs > 0
+        self.pool = pool
+        self.token_budget, self.max_num_seqs = token_budget, max_num_seqs
+        self.max_queue_wait_s = max_queue_wait_s
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def check_fits(self, num_tokens: int) -> None:
+        """Reject at once a prompt the pool could never hold."""
+        if self.pool.blocks_needed(num_tokens) > self.pool.num_blocks:
+            raise PromptTooLong(
+                f"prompt of {num_tokens} tokens needs {self.pool.blocks_needed(num_tokens)} KV blocks; "
+                f"the pool has {self.pool.num_blocks} blocks of {self.pool.block_size} tokens "
+                f"({self.pool.num_blocks * self.pool.block_size} tokens): send a shorter prompt")
+
+    def add(self, seq: Sequence) -> None:
+        self.check_fits(seq.num_tokens)
+        self.waiting.append(seq)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> tuple[list[Chunk], list[Sequence]]:
+        """Returns (chunks to compute this step, sequences that timed out waiting for KV blocks)."""
+        chunks: list[Chunk] = []
+        budget = self.token_budget
+        for seq in self.running:
+            if budget <= 0:
+                break
+            n = min(budget, seq.num_tokens - seq.num_computed)
+            chunks.append(Chunk(seq, seq.num_computed, seq.num_computed + n))
+            budget -= n
+        timed_out: list[Sequence] = []
+        now = time.monotonic()
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            try:
+                seq.block_ids = self.pool.allocate(self.pool.blocks_needed(seq.num_tokens))
+            except PoolExhausted:
+                break  # FIFO: wait for leases to end rather than starve long prompts
+            self.waiting.popleft()
+            seq.t_first_scheduled = now
+            self.running.append(seq)
+            n = min(budget, seq.num_tokens)
+            chunks.append(Chunk(seq, 0, n))
+            budget -= n
+        while self.waiting and now - self.waiting[0].t_submit > self.max_queue_wait_s:
+            timed_out.append(self.waiting.popleft())
+        return chunks, timed_out
+
+    def advance(self, chunks: list[Chunk]) -> list[Sequence]:
+        """Record computed chunks; returns sequences whose whole prompt is now computed."""
+        done = []
+        for c in chunks:
+            c.seq.num_computed = c.end
+            if c.is_last:
+                self.running.remove(c.seq)
+                done.append(c.seq)
+        return done
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a sequence (failed or aborted) and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.block_ids:
+            self.pool.free(seq.block_ids)
+            seq.block_ids = []
+
+    def find(self, request_id: str) -> Sequence | None:
+        for seq in list(self.running) + list(self.waiting):
+            if seq.request_id == request_id:
+                return seq
+        return None

@@ -1,0 +1,61 @@
+"""Typed errors. Caller mistakes subclass ``InvalidRequest`` (HTTP 4xx / gRPC INVALID_ARGUMENT);
+the serving layer maps each class to its protocol status. Internal invariants use ``assert``."""
+from __future__ import annotations
+
+
+class PrefillError(Exception):
+    """Base class for errors the serving layer turns into a protocol status."""
+
+    http_status = 500
+    grpc_code = "INTERNAL"
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+
+class InvalidRequest(PrefillError, ValueError):
+    """The caller sent something we cannot serve; the message says what to change."""
+
+    http_status = 400
+    grpc_code = "INVALID_ARGUMENT"
+
+
+class UnknownModel(InvalidRequest):
+    http_status = 404
+    grpc_code = "INVALID_ARGUMENT"
+
+
+class PromptTooLong(InvalidRequest):
+    http_status = 400
+    grpc_code = "INVALID_ARGUMENT"
+
+
+class PoolExhausted(PrefillError):
+    """Not enough free KV blocks right now (retry later or send a shorter prompt)."""
+
+    http_status = 503
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+
+class Unauthenticated(PrefillError):
+    http_status = 401
+    grpc_code = "UNAUTHENTICATED"
+
+
+class DecodeUnavailable(PrefillError):
+    """The decode instance could not be reached or failed; the message names the URL tried."""
+
+    http_status = 502
+    grpc_code = "UNAVAILABLE"
+
+
+class RequestCancelled(PrefillError):
+    http_status = 499
+    grpc_code = "CANCELLED"
+
+
+class TransferError(PrefillError):
+    http_status = 502
+    grpc_code = "UNAVAILABLE"

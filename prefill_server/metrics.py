@@ -1,0 +1,39 @@
+"""Prometheus metrics, named like the ecosystem's (vLLM's ``vllm:...`` -> ``prefill_server:...``)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        p = "prefill_server:"
+        self.ttft = Histogram(p + "time_to_first_token_seconds",
+                              "Request arrival to first token (prefill done, KV published)",
+                              registry=r, buckets=_LATENCY_BUCKETS)
+        self.prefill_time = Histogram(p + "prefill_seconds", "Time computing a request's prefill",
+                                      registry=r, buckets=_LATENCY_BUCKETS)
+        self.queue_time = Histogram(p + "queue_seconds", "Time waiting before the first chunk",
+                                    registry=r, buckets=_LATENCY_BUCKETS)
+        self.e2e_time = Histogram(p + "e2e_request_latency_seconds", "Gateway request latency incl. decode",
+                                  registry=r, buckets=_LATENCY_BUCKETS)
+        self.kv_bytes = Counter(p + "kv_transfer_bytes_total", "KV bytes made available to / sent to decoders",
+                                registry=r)
+        self.kv_transfer_time = Histogram(p + "kv_transfer_seconds",
+                                          "KV published -> decode done reading (lease released)",
+                                          registry=r, buckets=_LATENCY_BUCKETS)
+        self.kv_failed = Counter(p + "kv_transfer_failed_total", "Transfers that failed or were aborted",
+                                 registry=r)
+        self.lease_expired = Counter(p + "kv_lease_expired_total", "KV leases freed by expiry", registry=r)
+        self.blocks_in_use = Gauge(p + "kv_blocks_in_use", "KV pool blocks allocated", registry=r)
+        self.blocks_total = Gauge(p + "kv_blocks_total", "KV pool blocks", registry=r)
+        self.queue_depth = Gauge(p + "num_requests_waiting", "Requests waiting for the engine", registry=r)
+        self.running = Gauge(p + "num_requests_running", "Requests being prefilled", registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens_total", "Prompt tokens prefilled", registry=r)
+        self.requests = Counter(p + "requests_total", "Requests finished, by outcome", ["outcome"],
+                                registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,78 @@
+"""The parts of OpenAI request bodies the gateway reads, validated with clear messages.
+
+Bodies are otherwise passed to the decode unchanged (it validates its own sampling fields), so these
+models allow extra fields.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+from prefill_server.errors import InvalidRequest
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: StrictStr | None = None
+    stream: StrictBool = False
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: StrictInt | None = None
+    seed: StrictInt | None = None
+    n: StrictInt | None = Field(default=None, ge=1, le=1)
+
+
+class CompletionBody(_Body):
+    prompt: Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: Union[StrictStr, list[dict[str, Any]], None] = None
+
+
+class ChatBody(_Body):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+
+
+def parse(model_cls, body: Any):
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    try:
+        return model_cls.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "body"
+        raise InvalidRequest(f"invalid field '{where}': {err['msg']}", field=where) from None
+
+
+def single_prompt(prompt) -> str | list[int]:
+    """One prompt as text or token ids; batches of several prompts are refused."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise InvalidRequest("send one prompt per request (a list of several prompts is not supported)",
+                                 field="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, (str, list)) and len(prompt) == 0:
+        raise InvalidRequest("the prompt is empty: send some text or token ids", field="prompt")
+    return prompt
+
+
+def chat_messages(body: ChatBody) -> list[dict]:
+    msgs = []
+    for i, m in enumerate(body.messages):
+        content = m.content
+        if isinstance(content, list):  # OpenAI content parts: text only
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise InvalidRequest(f"messages[{i}].content: only text parts are supported",
+                                         field=f"messages.{i}.content")
+                texts.append(part["text"])
+            content = "\n".join(texts)  # as vLLM flattens text parts for string templates
+        msgs.append({**m.model_dump(exclude_none=True), "content": content or ""})
+    return msgs

@@ -1,0 +1,81 @@
+"""Assemble and run the server: engine + transfer producer + HTTP gateway (one process)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import sys
+
+import uvicorn
+
+from prefill_server.config import EngineConfig, ServerConfig
+from prefill_server.engine import build
+from prefill_server.engine.engine import Engine
+from prefill_server.engine.local_producer import LocalProducer
+from prefill_server.serving.http import create_app
+from prefill_server.serving.proxy import DecodeClient
+from prefill_server.serving.service import ModelInfo, PrefillService
+
+log = logging.getLogger(__name__)
+
+
+def make_producer(scfg: ServerConfig, ecfg: EngineConfig, pool, m: build.LoadedModel):
+    """The transfer mode's producer, and the model name clients and the decode use."""
+    if scfg.transfer_mode == "local":
+        return LocalProducer(pool, ecfg.lease_ttl_s), scfg.served_model_name or m.path
+    from kv_transfer.vllm.v0_32 import NixlCompatProducer, discover_decode
+
+    info = discover_decode(scfg.decode_url)
+    producer = NixlCompatProducer(pool, decode=info, host=scfg.side_channel_host,
+                                  port=scfg.side_channel_port, lease_ttl_s=ecfg.lease_ttl_s)
+    return producer, scfg.served_model_name or info.served_model_name
+
+
+def build_service(ecfg: EngineConfig, scfg: ServerConfig) -> PrefillService:
+    m = build.load(ecfg)
+    pool = build.make_pool(ecfg, m)
+    producer, served = make_producer(scfg, ecfg, pool, m)
+    c = m.config
+    engine = Engine(build.make_runner(m, pool), pool, producer, max_model_len=c.max_position_embeddings,
+                    vocab_size=c.vocab_size, token_budget=ecfg.token_budget, max_num_seqs=ecfg.max_num_seqs,
+                    max_queue_wait_s=ecfg.max_queue_wait_s)
+    info = ModelInfo(served, m.path, c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size,
+                     c.max_position_embeddings, str(m.dtype).removeprefix("torch."), ecfg.block_size)
+    return PrefillService(engine, m.tokenizer, info, scfg.transfer_mode)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def serve(ecfg: EngineConfig, scfg: ServerConfig) -> None:
+    service = build_service(ecfg, scfg)
+    decode = DecodeClient(scfg.decode_url, scfg.decode_timeout_s) if scfg.transfer_mode != "local" else None
+    app = create_app(service, decode, scfg.api_key)
+    sock = bind(scfg.host, scfg.port)
+    host, port = sock.getsockname()[:2]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+
+    async def main() -> None:
+        service.engine.start()
+        try:
+            task = asyncio.create_task(server.serve(sockets=[sock]))
+            while not server.started and not task.done():
+                await asyncio.sleep(0.05)
+            if server.started:
+                url_host = f"[{host}]" if ":" in host else host
+                print(f"prefill-server listening on http://{url_host}:{port} (model {service.info.served_name}, "
+                      f"transfer {scfg.transfer_mode}"
+                      + (f", decode {scfg.decode_url}" if decode else "") + ")", flush=True)
+            await task
+        finally:
+            service.engine.stop()
+            if decode:
+                await decode.close()
+
+    asyncio.run(main())
+    sys.stdout.flush()

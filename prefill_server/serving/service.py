@@ -1,0 +1,61 @@
+"""The serving core shared by the HTTP gateway and the gRPC server: tokenize, validate, prefill."""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass
+
+from prefill_server.engine.engine import Engine
+from prefill_server.engine.types import PrefillRequest, PrefillResult, SamplingParams
+from prefill_server.errors import InvalidRequest, UnknownModel
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    served_name: str  # the id clients send as "model"
+    path: str  # the folder the weights came from
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_model_len: int
+    dtype: str
+    block_size: int
+    kv_layout: str = "LBHNC"  # pool page layout: per layer, per block [H, N, K|V]
+
+
+class PrefillService:
+    def __init__(self, engine: Engine, tokenizer, info: ModelInfo, transfer_mode: str):
+        self.engine, self.tokenizer, self.info = engine, tokenizer, info
+        self.transfer_mode = transfer_mode
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in (self.info.served_name, self.info.path):
+            raise UnknownModel(f"model {name!r} is not served here; use {self.info.served_name!r}",
+                               field="model")
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("the prompt is empty: send some text", field="prompt")
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return list(prompt)
+
+    def encode_chat(self, messages: list[dict], **template_kwargs) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
+        return self.tokenizer.encode(text, add_special_tokens=False)  # the template holds the specials
+
+    async def prefill(self, token_ids: list[int], sampling: SamplingParams = SamplingParams(),
+                      request_id: str | None = None) -> PrefillResult:
+        """Prefill and publish the KV; cancelling the awaiting task frees everything at once."""
+        rid = request_id or f"pf-{uuid.uuid4().hex}"
+        fut = self.engine.submit(PrefillRequest(rid, tuple(token_ids), sampling))
+        try:
+            return await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            fut.cancel()
+            self.engine.abort(rid)
+            raise
+
+    def release(self, request_id: str) -> bool:
+        return self.engine.abort(request_id)
