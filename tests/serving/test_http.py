@@ -1,0 +1,104 @@
+"""Gateway behaviour on good and bad input, with the real model in transfer mode 'local'."""
+import socket
+
+import pytest
+from fastapi.testclient import TestClient
+
+from prefill_server.serving.http import create_app
+from prefill_server.serving.proxy import DecodeClient
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture()
+def client(local_service):
+    with TestClient(create_app(local_service, None)) as c:
+        yield c
+    assert local_service.engine.pool.num_used == 0
+
+
+def test_completion_and_chat_return_first_token(client, local_service):
+    r = client.post("/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 1,
+                                             "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert "Paris" in r.json()["choices"][0]["text"]
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi!"}],
+                                                  "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] > 5
+
+
+def test_models_health_metrics(client, local_service):
+    assert client.get("/health").json() == {"status": "ok"}
+    m = client.get("/v1/models").json()["data"][0]
+    assert m["id"] == local_service.info.served_name
+    client.post("/v1/completions", json={"prompt": "Hello", "temperature": 0})
+    text = client.get("/metrics").text
+    for name in ("prefill_server:time_to_first_token_seconds", "prefill_server:kv_blocks_in_use",
+                 "prefill_server:kv_transfer_bytes_total", "prefill_server:kv_lease_expired_total",
+                 "prefill_server:num_requests_waiting", "prefill_server:prefill_seconds"):
+        assert name in text
+
+
+@pytest.mark.parametrize("body,status,needle", [
+    ({"prompt": ""}, 400, "empty"),
+    ({"prompt": []}, 400, "empty"),
+    ({"prompt": "hi", "model": "no-such-model"}, 404, "not served here"),
+    ({"prompt": 42}, 400, "prompt"),
+    ({"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    ({"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ({"prompt": ["a", "b"]}, 400, "one prompt"),
+    ({"prompt": [1, 2, 10**9]}, 400, "vocabulary"),
+    ({"prompt": [1] * 9000}, 400, "context"),
+    ({}, 400, "prompt"),
+])
+def test_bad_completion_input_gets_4xx(client, body, status, needle):
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    assert needle in r.json()["error"]["message"]
+    assert client.post("/v1/completions", json={"prompt": "still serving"}).status_code == 200
+
+
+@pytest.mark.parametrize("raw,needle", [
+    (b"{not json", "not valid JSON"),
+    (b"[1, 2]", "JSON object"),
+    (b'{"messages": []}', "messages"),
+    (b'{"messages": [{"role": "wizard", "content": "x"}]}', "role"),
+    (b'{"messages": [{"role": "user", "content": 5}]}', "content"),
+])
+def test_bad_chat_input_gets_400(client, raw, needle):
+    r = client.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"]
+
+
+def test_prompt_larger_than_pool_is_refused(client, local_service):
+    pool = local_service.engine.pool
+    n = pool.num_blocks * pool.block_size + 1  # fits the context (8192) but never the pool
+    r = client.post("/v1/completions", json={"prompt": [1] * n})
+    assert r.status_code == 400 and "shorter prompt" in r.json()["error"]["message"]
+
+
+def test_unreachable_decode_gives_502_with_url_and_frees_kv(local_service):
+    url = f"http://127.0.0.1:{free_port()}"
+    with TestClient(create_app(local_service, DecodeClient(url, timeout_s=5))) as c:
+        r = c.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 4})
+        assert r.status_code == 502
+        assert url in r.json()["error"]["message"]
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                 "stream": True})
+        assert r.status_code == 502
+    assert local_service.engine.pool.num_used == 0
+
+
+def test_api_key(local_service):
+    with TestClient(create_app(local_service, None, api_key="s3cret")) as c:
+        assert c.post("/v1/completions", json={"prompt": "x"}).status_code == 401
+        ok = c.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200
+        assert c.get("/health").status_code == 200
