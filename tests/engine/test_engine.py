@@ -1,0 +1,106 @@
+"""The engine on the real embedded model: chunked and batched prefill equal one plain forward."""
+import time
+
+import pytest
+import torch
+
+from prefill_server.config import EngineConfig
+from prefill_server.engine import build
+from prefill_server.engine.engine import Engine
+from prefill_server.engine.local_producer import LocalProducer
+from prefill_server.engine.types import PrefillRequest
+from prefill_server.errors import InvalidRequest, PoolExhausted, RequestCancelled
+from prefill_server.models.reference_attention import CausalAttention
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return build.load(EngineConfig(dtype="float32"))
+
+
+def make_engine(loaded, num_blocks=64, budget=40, max_wait=60.0, ttl=30.0):
+    cfg = EngineConfig(dtype="float32", num_kv_blocks=num_blocks, block_size=16, token_budget=budget)
+    pool = build.make_pool(cfg, loaded)
+    eng = Engine(build.make_runner(loaded, pool), pool, LocalProducer(pool, ttl),
+                 max_model_len=loaded.config.max_position_embeddings, vocab_size=loaded.config.vocab_size,
+                 token_budget=budget, max_num_seqs=8, max_queue_wait_s=max_wait)
+    eng.start()
+    return eng
+
+
+def reference(loaded, ids):
+    attn = CausalAttention.single(len(ids), record=True)
+    logits = loaded.model(torch.tensor(ids), torch.arange(len(ids)), attn, torch.tensor([len(ids) - 1]))
+    return logits[0], attn
+
+
+def prompt(loaded, text):
+    return loaded.tokenizer.encode(text)
+
+
+def test_chunked_batched_prefill_matches_plain_forward(loaded):
+    eng = make_engine(loaded, budget=40)  # 40-token steps: prompts are chunked and share steps
+    try:
+        texts = ["The quick brown fox jumps over the lazy dog. " * 6, "Hello!", "Numbers: " + " ".join(
+            str(i) for i in range(30))]
+        reqs = [PrefillRequest(f"r{i}", tuple(prompt(loaded, t))) for i, t in enumerate(texts)]
+        futs = [eng.submit(r) for r in reqs]
+        results = [f.result(timeout=120) for f in futs]
+        pool = eng.pool
+        for r, res in zip(reqs, results):
+            ref_logits, attn = reference(loaded, list(r.prompt_token_ids))
+            assert res.first_token_id == int(torch.argmax(ref_logits))
+            blocks = pool.get_lease(r.request_id).block_ids
+            for layer in (0, loaded.config.num_layers - 1):
+                k, v = pool.read(layer, blocks, len(r.prompt_token_ids))
+                torch.testing.assert_close(k, attn.keys[layer], rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(v, attn.values[layer], rtol=1e-4, atol=1e-4)
+            assert res.kv_transfer_params["num_tokens"] == len(r.prompt_token_ids)
+            assert eng.abort(r.request_id)
+        assert pool.num_used == 0
+    finally:
+        eng.stop()
+
+
+def test_validation_and_abort_free_everything(loaded):
+    eng = make_engine(loaded, num_blocks=8, budget=16, max_wait=0.5)
+    try:
+        with pytest.raises(InvalidRequest, match="empty"):
+            eng.submit(PrefillRequest("e", ()))
+        with pytest.raises(InvalidRequest, match="vocabulary"):
+            eng.submit(PrefillRequest("v", (1, -3)))
+        with pytest.raises(InvalidRequest, match="shorter prompt"):
+            eng.submit(PrefillRequest("big", tuple([1] * (8 * 16 + 1))))
+        # fill the pool with a leased request, then a second one must time out waiting
+        held = eng.submit(PrefillRequest("held", tuple([1] * 100))).result(timeout=60)
+        with pytest.raises(PoolExhausted):
+            eng.submit(PrefillRequest("starved", tuple([2] * 100))).result(timeout=60)
+        with pytest.raises(InvalidRequest, match="already in use"):
+            eng.submit(PrefillRequest("held", (1, 2)))
+        assert eng.abort(held.request_id) and eng.pool.num_used == 0
+        # abort while queued/running
+        f = eng.submit(PrefillRequest("gone", tuple([3] * 120)))
+        assert eng.abort("gone")
+        try:  # almost always still running (8 steps of 16 tokens); if it won the race, abort released it
+            f.result(timeout=60)
+        except RequestCancelled:
+            pass
+        time.sleep(0.1)
+        assert eng.pool.num_used == 0
+    finally:
+        eng.stop()
+
+
+def test_lease_expiry_frees_blocks(loaded):
+    eng = make_engine(loaded, ttl=0.3)
+    try:
+        eng.submit(PrefillRequest("x", tuple(prompt(loaded, "expire me")))).result(timeout=60)
+        assert eng.pool.num_used > 0
+        deadline = time.monotonic() + 5
+        while eng.pool.num_used and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert eng.pool.num_used == 0
+        eng.refresh_metrics()
+        assert eng.metrics.lease_expired._value.get() == 1
+    finally:
+        eng.stop()
