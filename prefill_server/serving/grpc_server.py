@@ -1,0 +1,452 @@
+"""gRPC API (``prefill.v1.PrefillService`` on ``grpc.aio``), served beside the HTTP gateway on the same
+``PrefillService`` (one engine, one event loop). The contract is ``proto/prefill/v1/prefill.proto``.
+
+A call's life and who frees its KV:
+
+    received ──validate + tokenize──> submitted (engine queue) ──> running ──> KV published (lease)
+       │ bad input: INVALID_ARGUMENT        │ cancelled / deadline: the awaiting task is cancelled,
+       │ (nothing allocated)                │ PrefillService.prefill aborts it in the engine (freed)
+       v                                    v
+    published: the response carries kv_transfer_params; the lease is the decode's to end. If the call
+    is cancelled or times out after the KV is published but before the client got the response, the
+    done callback releases the lease at once. ``Release`` ends a lease (or aborts a queued/running
+    request) explicitly.
+
+Errors: ``PrefillError`` subclasses map to their ``grpc_code``; the details start with the field path
+and the trailing metadata carries ``prefill-error-field`` / ``prefill-error-type``. Anything else is a
+bug: INTERNAL, logged with its traceback, and the server keeps serving.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import importlib.metadata
+import ipaddress
+import json
+import logging
+import math
+import re
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+
+import google.protobuf
+import grpc
+import torch
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from prefill_server.engine.types import PrefillResult, SamplingParams
+from prefill_server.errors import InvalidRequest, PrefillError, PromptTooLong
+from prefill_server.serving.pb import prefill_pb2 as pb
+from prefill_server.serving.pb import prefill_pb2_grpc as pb_grpc
+from prefill_server.serving.service import PrefillService
+
+log = logging.getLogger(__name__)
+
+API_VERSION = "prefill.v1"
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PrefillService"].full_name  # "prefill.v1.PrefillService"
+MAX_MESSAGE_BYTES = 64 * 2**20  # a 1M-token prompt is ~5 MB of token ids; the gRPC default is 4 MB
+MODE_TO_PB = {"nixl-compat": pb.TRANSFER_MODE_NIXL_PULL, "connector": pb.TRANSFER_MODE_PUSH,
+              "local": pb.TRANSFER_MODE_LOCAL}
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+_POLL_S = 0.02  # PrefillStream progress polling (until the engine offers a progress hook)
+_GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: logits / 1e-30 overflow to inf and the softmax to NaN
+_TOP_P_MIN = 1e-6
+_MAX_DETAILS = 1000  # characters of error details (they may quote client input)
+# Field names the engine and the service use -> the request's field paths.
+_SAMPLING_FIELDS = {"temperature": "sampling.temperature", "top_p": "sampling.top_p",
+                    "top_k": "sampling.top_k", "seed": "sampling.seed"}
+
+
+# ---- errors ----
+
+async def _abort(context: grpc.aio.ServicerContext, e: PrefillError) -> None:
+    details = f"{e.field}: {e.message}" if e.field else e.message
+    if len(details) > _MAX_DETAILS:
+        details = details[:_MAX_DETAILS] + "..."
+    md = [("prefill-error-type", type(e).__name__)] + ([("prefill-error-field", e.field)] if e.field else [])
+    await context.abort(grpc.StatusCode[e.grpc_code], details, trailing_metadata=tuple(md))
+
+
+def _internal(e: Exception) -> PrefillError:
+    log.exception("internal error in a gRPC call")
+    return PrefillError(f"internal error ({type(e).__name__}); the server logged the details")
+
+
+def _parse(request, cls):
+    """The handlers take raw bytes so that a malformed message is INVALID_ARGUMENT, not UNKNOWN."""
+    if not isinstance(request, (bytes, bytearray)):
+        return request  # registered elsewhere with the generated deserializers
+    try:
+        return cls.FromString(bytes(request))
+    except DecodeError as e:
+        raise InvalidRequest(f"the request is not a valid {cls.DESCRIPTOR.full_name} message ({e})",
+                             field="request") from None
+
+
+def _unary(cls):
+    def wrap(fn):
+        @functools.wraps(fn)
+        async def wrapper(self, request, context):
+            try:
+                return await fn(self, _parse(request, cls), context)
+            except PrefillError as e:
+                await _abort(context, e)
+            except Exception as e:  # a bug: never UNKNOWN, never a dead server
+                await _abort(context, _internal(e))
+        return wrapper
+    return wrap
+
+
+def _server_stream(cls):
+    def wrap(fn):
+        @functools.wraps(fn)
+        async def wrapper(self, request, context):
+            try:
+                async for event in fn(self, _parse(request, cls), context):
+                    yield event
+            except PrefillError as e:
+                await _abort(context, e)
+            except Exception as e:
+                await _abort(context, _internal(e))
+        return wrapper
+    return wrap
+
+
+def _renamed(e: PrefillError, input_field: str) -> PrefillError:
+    """Engine/service field names ("prompt", "temperature") -> this request's field paths."""
+    if e.field == "prompt" or isinstance(e, PromptTooLong):
+        e.field = input_field
+    elif e.field in _SAMPLING_FIELDS:
+        e.field = _SAMPLING_FIELDS[e.field]
+    return e
+
+
+# ---- request -> engine inputs ----
+
+@dataclass
+class _Prepared:
+    request_id: str
+    input_field: str  # token_ids | text | messages
+    token_ids: list[int]
+    sampling: SamplingParams
+    tokenize_s: float
+    t0: float  # time.monotonic() when the call arrived
+
+
+def _sampling(s: pb.SamplingParams) -> SamplingParams:
+    t = s.temperature if s.HasField("temperature") else 0.0
+    if not (math.isfinite(t) and t >= 0.0):
+        raise InvalidRequest(f"must be a finite number >= 0 (0 = greedy), not {t}", field="sampling.temperature")
+    if t < _GREEDY_BELOW:
+        t = 0.0
+    top_p = s.top_p if s.HasField("top_p") else 1.0
+    if not (0.0 < top_p <= 1.0):
+        raise InvalidRequest(f"must be in (0, 1], not {top_p}", field="sampling.top_p")
+    top_k = s.top_k if s.HasField("top_k") else -1
+    if top_k < -1:
+        raise InvalidRequest(f"must be >= 1, or 0 / -1 for off, not {top_k}", field="sampling.top_k")
+    if top_p < _TOP_P_MIN:  # keeps only the most likely token; below float32's range it would keep none
+        top_p, top_k = 1.0, 1
+    seed = s.seed if s.HasField("seed") else None
+    if seed is not None and seed < 0:
+        raise InvalidRequest(f"must be >= 0, not {seed}", field="sampling.seed")
+    return SamplingParams(temperature=t, top_p=top_p, top_k=top_k if top_k > 0 else -1, seed=seed)
+
+
+def _input_field(req: pb.PrefillRequest) -> str:
+    given = [name for name, present in (("token_ids", len(req.token_ids) > 0), ("text", req.text != ""),
+                                        ("messages", len(req.messages) > 0)) if present]
+    if not given:
+        raise InvalidRequest("the input is empty: set one of token_ids, text or messages", field="input")
+    if len(given) > 1:
+        raise InvalidRequest(f"set exactly one of token_ids, text or messages, not {' and '.join(given)}",
+                             field="input")
+    return given[0]
+
+
+def _chat_messages(req: pb.PrefillRequest) -> list[dict]:
+    for i, m in enumerate(req.messages):
+        if m.role not in _ROLES:
+            raise InvalidRequest(f"must be one of {', '.join(sorted(_ROLES))}, not {m.role[:40]!r}",
+                                 field=f"messages[{i}].role")
+    return [{"role": m.role, "content": m.content} for m in req.messages]
+
+
+class PrefillServicer(pb_grpc.PrefillServiceServicer):
+    def __init__(self, service: PrefillService):
+        self.service = service
+        self.mode = MODE_TO_PB[service.transfer_mode]
+
+    async def _prepare(self, req: pb.PrefillRequest) -> _Prepared:
+        t0 = time.monotonic()
+        field = _input_field(req)
+        self.service.check_model(req.model or None)
+        if req.transfer_mode not in (pb.TRANSFER_MODE_UNSPECIFIED, self.mode):
+            name = pb.TransferMode.Name(req.transfer_mode) if req.transfer_mode in pb.TransferMode.values() \
+                else str(req.transfer_mode)
+            raise InvalidRequest(f"this server runs {pb.TransferMode.Name(self.mode)}, not {name}; send that "
+                                 "or TRANSFER_MODE_UNSPECIFIED", field="transfer_mode")
+        if req.HasField("transfer_target") and req.transfer_mode != pb.TRANSFER_MODE_PUSH:
+            raise InvalidRequest("only used with TRANSFER_MODE_PUSH; leave it unset", field="transfer_target")
+        if req.request_id and not _REQUEST_ID.fullmatch(req.request_id):
+            raise InvalidRequest("must be 1-128 characters of A-Z a-z 0-9 . _ -", field="request_id")
+        if req.HasField("add_special_tokens") and field != "text":
+            raise InvalidRequest("only applies to text input", field="add_special_tokens")
+        sampling = _sampling(req.sampling)
+        t1 = time.monotonic()
+        try:
+            if field == "token_ids":
+                ids = list(req.token_ids)
+            elif field == "text":
+                add = req.add_special_tokens if req.HasField("add_special_tokens") else True
+                ids = await asyncio.to_thread(self.service.tokenizer.encode, req.text, add_special_tokens=add)
+            else:
+                ids = await asyncio.to_thread(self.service.encode_chat, _chat_messages(req))
+        except PrefillError as e:
+            raise _renamed(e, field) from None
+        return _Prepared(req.request_id or f"grpc-{uuid.uuid4().hex}", field, ids, sampling,
+                         time.monotonic() - t1 if field != "token_ids" else 0.0, t0)
+
+    async def _prefill(self, p: _Prepared, context: grpc.aio.ServicerContext) -> PrefillResult:
+        try:
+            result = await self.service.prefill(p.token_ids, p.sampling, p.request_id)
+        except PrefillError as e:
+            raise _renamed(e, p.input_field) from None
+        # From here the KV is leased for the decode. If the call still ends cancelled (deadline hit,
+        # client gone before it got the params), nobody will read it: free it now.
+        service, rid = self.service, result.request_id
+
+        def on_done(ctx) -> None:
+            if ctx.cancelled():
+                service.release(rid)
+        context.add_done_callback(on_done)
+        return result
+
+    def _response(self, p: _Prepared, r: PrefillResult, return_ids: bool) -> pb.PrefillResponse:
+        try:
+            text = self.service.tokenizer.decode([r.first_token_id])
+        except Exception:  # an id beyond the tokenizer's vocabulary (padded lm_head)
+            text = ""
+        t = r.timings
+        return pb.PrefillResponse(
+            request_id=r.request_id, first_token_id=r.first_token_id, first_token_text=text,
+            kv_transfer_params_json=json.dumps(r.kv_transfer_params, separators=(",", ":")),
+            transfer_mode=self.mode, model=self.service.info.served_name,
+            usage=pb.Usage(prompt_tokens=r.num_prompt_tokens, cached_tokens=r.num_cached_tokens),
+            timings=pb.Timings(tokenize_seconds=p.tokenize_s, queue_seconds=t.queued_s,
+                               prefill_seconds=t.prefill_s, total_seconds=time.monotonic() - p.t0),
+            prompt_token_ids=p.token_ids if return_ids else ())
+
+    # ---- RPCs ----
+    @_unary(pb.PrefillRequest)
+    async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
+        p = await self._prepare(request)
+        result = await self._prefill(p, context)
+        return self._response(p, result, request.return_prompt_token_ids)
+
+    @_server_stream(pb.PrefillRequest)
+    async def PrefillStream(self, request: pb.PrefillRequest, context):
+        p = await self._prepare(request)
+        total = len(p.token_ids)
+
+        def event(**kw) -> pb.PrefillEvent:
+            return pb.PrefillEvent(elapsed_seconds=time.monotonic() - p.t0, **kw)
+
+        task = asyncio.ensure_future(self._prefill(p, context))
+        try:
+            await asyncio.sleep(0)  # let the task submit (bad input fails here, before any event)
+            if task.done():
+                task.result()
+            snap = _snapshot(self.service, p.request_id)
+            ahead = snap[1] if snap and snap[0] == "queued" else 0
+            yield event(queued=pb.Queued(prompt_tokens=total, requests_ahead=ahead))
+            started, done_tokens = False, 0
+            while not task.done():
+                await asyncio.wait({task}, timeout=_POLL_S)
+                snap = _snapshot(self.service, p.request_id)
+                if snap and snap[0] == "running":
+                    if not started:
+                        started = True
+                        yield event(started=pb.Started(prompt_tokens=total,
+                                                       queue_seconds=time.monotonic() - p.t0))
+                    if snap[1] > done_tokens:
+                        done_tokens = snap[1]
+                        yield event(progress=pb.Progress(tokens_done=done_tokens, prompt_tokens=total))
+            result = task.result()
+            if not started:
+                yield event(started=pb.Started(prompt_tokens=total, queue_seconds=result.timings.queued_s))
+            if done_tokens < total:
+                yield event(progress=pb.Progress(tokens_done=total, prompt_tokens=total))
+            yield event(result=self._response(p, result, request.return_prompt_token_ids))
+        finally:
+            if not task.done():  # the client went away: cancelling aborts the request in the engine
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    @_unary(pb.ReleaseRequest)
+    async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
+        if not _REQUEST_ID.fullmatch(request.request_id):
+            raise InvalidRequest("must be the request_id of a Prefill call (1-128 characters of "
+                                 "A-Z a-z 0-9 . _ -)", field="request_id")
+        return pb.ReleaseResponse(released=self.service.release(request.request_id))
+
+    @_unary(pb.GetServerInfoRequest)
+    async def GetServerInfo(self, request: pb.GetServerInfoRequest, context) -> pb.ServerInfo:
+        i, pool = self.service.info, self.service.engine.pool
+        return pb.ServerInfo(
+            model=i.served_name, model_path=i.path, num_layers=i.num_layers, num_kv_heads=i.num_kv_heads,
+            head_dim=i.head_dim, vocab_size=i.vocab_size, max_model_len=i.max_model_len,
+            block_size=i.block_size, kv_layout=i.kv_layout, kv_dtype=i.dtype,
+            supported_transfer_modes=[self.mode], num_kv_blocks=pool.num_blocks,
+            num_free_kv_blocks=pool.num_free, server_version=_package_version(), api_version=API_VERSION,
+            versions={"torch": torch.__version__, "grpcio": grpc.__version__,
+                      "protobuf": google.protobuf.__version__, "python": sys.version.split()[0]})
+
+
+def _snapshot(service: PrefillService, rid: str) -> tuple[str, int] | None:
+    """("queued", requests ahead) | ("running", tokens computed) | None (not in the engine).
+
+    Reads the scheduler under the engine's lock; to be replaced by an engine progress hook."""
+    engine = service.engine
+    with engine._lock:  # noqa: SLF001 - the scheduler lock; no public snapshot API yet
+        s = engine.scheduler
+        for i, seq in enumerate(s.waiting):
+            if seq.request_id == rid:
+                return "queued", i
+        for seq in s.running:
+            if seq.request_id == rid:
+                return "running", seq.num_computed
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("prefill-server")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+# ---- authentication ----
+
+async def _deny(request, context) -> None:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                        "missing or wrong API key: send metadata 'authorization: Bearer <key>'",
+                        trailing_metadata=(("prefill-error-type", "Unauthenticated"),))
+
+
+async def _deny_stream(request, context):
+    await _deny(request, context)
+    yield  # pragma: no cover - abort raises
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Requires ``authorization: Bearer <key>`` on prefill.v1 calls; health and reflection stay open
+    (load balancers and grpcurl probe them without keys)."""
+
+    def __init__(self, api_key: str):
+        self._expected = f"Bearer {api_key}".encode()
+        self._unary = grpc.unary_unary_rpc_method_handler(_deny)
+        self._stream = grpc.unary_stream_rpc_method_handler(_deny_stream)
+
+    async def intercept_service(self, continuation, details):
+        if details.method.startswith(f"/{SERVICE_NAME}/"):
+            got = next((v for k, v in details.invocation_metadata or () if k == "authorization"), "")
+            got = got.encode() if isinstance(got, str) else got
+            if not hmac.compare_digest(got, self._expected):
+                return self._stream if details.method.endswith("/PrefillStream") else self._unary
+        return await continuation(details)
+
+
+# ---- assembly ----
+
+class GrpcServer:
+    """A started gRPC server: ``port`` is the bound port; ``await stop()`` drains and closes it."""
+
+    def __init__(self, server: grpc.aio.Server, port: int, health_servicer):
+        self.server, self.port, self.health = server, port, health_servicer
+
+    async def stop(self, grace_s: float | None = 5.0) -> None:
+        """Report NOT_SERVING, finish in-flight calls for grace_s, then cancel the rest (freeing their KV)."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+
+
+def _method_handlers(servicer: PrefillServicer) -> dict[str, grpc.RpcMethodHandler]:
+    """Like the generated add_PrefillServiceServicer_to_server, but requests arrive as bytes (parsed
+    by the servicer, see _parse)."""
+    handlers = {}
+    for m in pb.DESCRIPTOR.services_by_name["PrefillService"].methods:
+        serialize = getattr(pb, m.output_type.name).SerializeToString
+        make = grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[m.name] = make(getattr(servicer, m.name), response_serializer=serialize)
+    return handlers
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"{what} {path}: {e.strerror}") from None
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+async def start_grpc(service: PrefillService, host: str = "127.0.0.1", port: int = 0, *,
+                     api_key: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+                     tls_client_ca: str | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES,
+                     ) -> GrpcServer:
+    """Start prefill.v1.PrefillService + grpc.health.v1 + reflection on host:port in the running loop.
+
+    port 0 picks a free port (GrpcServer.port). TLS when tls_cert and tls_key are given (PEM files);
+    tls_client_ca additionally requires client certificates signed by that CA (mutual TLS).
+    """
+    if bool(tls_cert) != bool(tls_key):
+        raise ValueError("TLS needs both --grpc-tls-cert and --grpc-tls-key")
+    if tls_client_ca and not tls_cert:
+        raise ValueError("--grpc-tls-client-ca needs --grpc-tls-cert and --grpc-tls-key")
+    options = [("grpc.max_receive_message_length", max_message_bytes),
+               ("grpc.max_send_message_length", max_message_bytes),
+               ("grpc.so_reuseport", 0)]  # a port already in use is an error, not a shared listener
+    interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
+    server = grpc.aio.server(options=options, interceptors=interceptors)
+    handlers = _method_handlers(PrefillServicer(service))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server)
+    addr = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    try:
+        if tls_cert:
+            creds = grpc.ssl_server_credentials(
+                [(_read(tls_key, "--grpc-tls-key"), _read(tls_cert, "--grpc-tls-cert"))],
+                root_certificates=_read(tls_client_ca, "--grpc-tls-client-ca") if tls_client_ca else None,
+                require_client_auth=bool(tls_client_ca))
+            bound = server.add_secure_port(addr, creds)
+        else:
+            bound = server.add_insecure_port(addr)
+    except RuntimeError as e:
+        raise OSError(f"gRPC cannot listen on {addr} ({e}); is the port in use?") from None
+    if not tls_cert and not _is_loopback(host):
+        log.warning("gRPC listens on %s without TLS: requests%s travel in clear; pass --grpc-tls-cert "
+                    "and --grpc-tls-key", addr, " and the API key" if api_key else "")
+    await server.start()
+    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    return GrpcServer(server, bound, health_servicer)
