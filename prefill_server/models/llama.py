@@ -1,0 +1,139 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3 via config flags) in plain PyTorch.
+
+The model sees one flattened batch: T tokens of several sequences concatenated, with their
+positions. It never sees the batch structure: attention is a callable supplied by the caller,
+``attn(layer, q, k, v) -> o``, which knows the sequences, writes K/V to its cache and attends over
+cached + new tokens. q/k/v/o shapes: q, o [T, num_heads, head_dim]; k, v [T, num_kv_heads, head_dim];
+k is post-rope (and post q/k-norm for Qwen3), v is raw.
+
+Numerics follow transformers: RMSNorm statistics in float32, rope cos/sin from float32 angles cast
+to the model dtype, residual stream in the model dtype.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prefill_server.layers.linear import MergedLinear
+from prefill_server.layers.norm import RMSNorm
+from prefill_server.layers.rotary import RotaryEmbedding, apply_rotary
+from prefill_server.models.config import ModelConfig
+
+
+class AttentionFn(Protocol):
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> o [T, Hq, D]."""
+        ...
+
+
+# Checkpoint (HF) projections that we fuse into one Linear each, in concatenation order.
+FUSED_PARAMS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+# Token rows processed at once in the non-attention parts of a layer: bounds the activation
+# memory of long prompts (the MLP's [T, 2 * intermediate] is the largest) without changing results.
+DEFAULT_CHUNK_TOKENS = 16384
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size],
+                                     bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [T, hidden] (already normed) -> q [T, Hq, D], k [T, Hkv, D] (roped), v [T, Hkv, D]."""
+        t = x.shape[0]
+        q, k, v = self.qkv_proj.forward_split(x)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim).contiguous()
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj.forward_split(x)  # [T, inter] each
+        return self.down_proj(F.silu(gate) * up)  # [T, hidden]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn,
+                chunk: int) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; may update x in place."""
+        sa = self.self_attn
+        qkv = [sa.project(self.input_layernorm(x[s:s + chunk]), cos[s:s + chunk], sin[s:s + chunk])
+               for s in range(0, x.shape[0], chunk)]
+        q, k, v = (torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*qkv))
+        o = attn(sa.layer, q, k, v)  # [T, Hq, D]
+        del q, k, v
+        o = o.reshape(o.shape[0], -1)  # [T, Hq * D]
+        for s in range(0, x.shape[0], chunk):
+            h = x[s:s + chunk] + sa.o_proj(o[s:s + chunk])
+            x[s:s + chunk] = h + self.mlp(self.post_attention_layernorm(h))
+        return x
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameter names match the HF checkpoint except the fused ``qkv_proj`` and ``gate_up_proj``."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.chunk_tokens = DEFAULT_CHUNK_TOKENS
+        if cfg.tie_word_embeddings:
+            self.tie_weights()
+
+    def tie_weights(self) -> None:
+        self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn,
+                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] -> float32 logits [B, vocab] for rows ``logits_indices`` [B]
+        (all T rows if None)."""
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)  # [T, D] each
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, attn, self.chunk_tokens)
+        if logits_indices is not None:
+            x = x[logits_indices]  # [B, hidden]
+        return self.lm_head(self.model.norm(x)).float()  # [B, vocab]

@@ -1,0 +1,157 @@
+"""Tokenizer from a Hugging Face folder (``tokenizer.json`` + ``tokenizer_config.json``), using the
+``tokenizers`` library directly and rendering chat templates with a sandboxed jinja2, so that ids
+and prompts match ``transformers.AutoTokenizer`` without importing transformers.
+
+BOS/EOS: as in transformers 5, the post-processor in tokenizer.json alone decides what
+``add_special_tokens=True`` adds (tokenizer_config's add_bos_token is ignored when tokenizer.json
+exists)."""
+from __future__ import annotations
+
+import datetime
+import json
+import pathlib
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.sandbox
+from tokenizers import Tokenizer as HFTokenizer
+
+from prefill_server.errors import InvalidRequest
+
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+def _token_str(v: Any) -> str | None:
+    """tokenizer_config values are a string or an AddedToken dict {"content": ...}."""
+    if isinstance(v, dict):
+        return v.get("content")
+    return v
+
+
+class Tokenizer:
+    def __init__(self, path: str | pathlib.Path):
+        path = pathlib.Path(path)
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise ValueError(f"{path} has no tokenizer.json")
+        self._tok = HFTokenizer.from_file(str(tok_file))
+        cfg_file = path / "tokenizer_config.json"
+        cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        self.special_tokens = {k: _token_str(cfg.get(k)) for k in _SPECIAL_KEYS if _token_str(cfg.get(k))}
+        self.bos_token = self.special_tokens.get("bos_token")
+        self.eos_token = self.special_tokens.get("eos_token")
+        self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        self.clean_up_tokenization_spaces = bool(cfg.get("clean_up_tokenization_spaces", False))
+        self.chat_template = self._load_chat_template(path, cfg)
+        self._compiled = None
+
+    @staticmethod
+    def _load_chat_template(path: pathlib.Path, cfg: dict) -> str | None:
+        jinja_file = path / "chat_template.jinja"
+        if jinja_file.is_file():
+            return jinja_file.read_text()
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t["name"]: t["template"] for t in template}
+            template = named.get("default")
+        return template
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise InvalidRequest(f"prompt must be a string, got {type(text).__name__}", field="prompt")
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        text = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        if self.clean_up_tokenization_spaces:
+            for a, b in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                         (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+                text = text.replace(a, b)
+        return text
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        """Render ``messages`` ([{"role": str, "content": str}, ...]) to the prompt string."""
+        if self.chat_template is None:
+            raise InvalidRequest("this model's tokenizer has no chat template; send a plain prompt instead",
+                                 field="messages")
+        messages = validate_messages(messages)
+        if self._compiled is None:
+            self._compiled = _compile(self.chat_template)
+        context = {**self.special_tokens, **kwargs}
+        context.setdefault("tools", None)
+        context.setdefault("documents", None)
+        try:
+            return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         **context)
+        except jinja2.TemplateError as e:  # raise_exception() in the template: the caller's input
+            raise InvalidRequest(f"chat template rejected the messages: {e}", field="messages") from None
+
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Ids of the rendered chat; like HF, the template supplies any BOS (no special tokens added)."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+
+def validate_messages(messages: Any) -> list[dict[str, Any]]:
+    """A non-empty list of {"role": str, "content": str} dicts; keys with value None are dropped."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("messages must be a non-empty list of {role, content} objects", field="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise InvalidRequest(f"messages[{i}] must be an object with 'role' and 'content', "
+                                 f"got {type(m).__name__}", field="messages")
+        for key in ("role", "content"):
+            if not isinstance(m.get(key), str):
+                got = "missing" if key not in m or m[key] is None else type(m[key]).__name__
+                raise InvalidRequest(f"messages[{i}].{key} must be a string ({got})", field="messages")
+        out.append({k: v for k, v in m.items() if v is not None})
+    return out
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` (HF's assistant-mask marker) renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller):
+        return caller()
+
+
+def _compile(template: str) -> jinja2.Template:
+    """Same environment as transformers' chat templates: sandboxed, trim/lstrip blocks, loopcontrols,
+    a tojson that does not escape HTML, raise_exception and strftime_now."""
+
+    def raise_exception(message: str):
+        raise jinja2.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.datetime.now().strftime(fmt)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=[jinja2.ext.loopcontrols, _GenerationTag])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(template)
