@@ -73,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     dm = sub.add_parser("demo", help="run the whole pipeline locally: a vLLM decode + this server")
     dm.add_argument("--prompt", default="Write one sentence about the sea.")
     dm.add_argument("--dtype", default="float32")
-    bn = sub.add_parser("bench", help="benchmarks (attention)")
-    bn.add_argument("what", choices=["attention"])
+    bn = sub.add_parser("bench", help="benchmarks: attention (kernels), e2e (whole prefill on a GPU)")
+    bn.add_argument("what", choices=["attention", "e2e"])
     bn.add_argument("rest", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
 
@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         from prefill_server.demo import run_demo
         return run_demo(args.prompt, args.dtype)
     if args.cmd == "bench":
+        if args.what == "e2e":
+            from prefill_server.bench.e2e import main as bench_e2e
+            return bench_e2e(args.rest) or 0
         from prefill_server.bench.attention import main as bench_attention
         return bench_attention(args.rest) or 0
     return _serve(args)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from prefill_server.errors import PoolExhausted
+from prefill_server.layers import fused
 
 
 @dataclass
@@ -99,6 +100,8 @@ class KVPool:
         """k, v: [T, H, D] written at (blocks[t], offsets[t])."""
         d = self.head_dim
         page = self.kv[layer]  # [NB, H, N, 2D]
+        if fused.available(page) and fused.kv_write(page, blocks, offsets, k, v):  # one pass, on CUDA
+            return
         page[blocks, :, offsets, :d] = k.to(self.dtype)
         page[blocks, :, offsets, d:] = v.to(self.dtype)
 

@@ -35,6 +35,8 @@ class PagedAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q [T, Hq, D], k/v [T, Hkv, D] -> o [T, Hq, D]
         self.pool.write(layer, self.blocks, self.offsets, k, v)
+        if len(self.slices) == 1 and self.slices[0].start == 0 and self.sparse is None:
+            return dense_attention(q, k, v, self.scale)  # one whole prompt: no gather, no copy
         out = torch.empty_like(q)
         for s in self.slices:
             if s.start == 0:

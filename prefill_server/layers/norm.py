@@ -1,8 +1,11 @@
-"""RMSNorm computed as Hugging Face does (float32 statistics, weight applied in the input dtype)."""
+"""RMSNorm computed as Hugging Face does (float32 statistics, weight applied in the input dtype).
+On CUDA one fused pass (``layers.fused``); elsewhere the plain PyTorch ops."""
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from prefill_server.layers import fused
 
 
 class RMSNorm(nn.Module):
@@ -13,6 +16,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., dim] -> [..., dim]
+        if fused.available(x):
+            y = fused.rms_norm(x, self.weight, self.eps)
+            if y is not None:
+                return y
         in_dtype = x.dtype
         xf = x.float()
         variance = xf.pow(2).mean(-1, keepdim=True)

@@ -8,6 +8,10 @@ k is post-rope (and post q/k-norm for Qwen3), v is raw.
 
 Numerics follow transformers: RMSNorm statistics in float32, rope cos/sin from float32 angles cast
 to the model dtype, residual stream in the model dtype.
+
+On CUDA the elementwise work runs as single-pass kernels (``layers.fused``: norm, rope + v copy
+straight into the whole-prompt q/k/v buffers, SiLU-and-multiply) and the residual adds ride in the
+GEMM epilogue (``addmm``), which rounds once where eager rounds twice; the CPU path is plain PyTorch.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from prefill_server.layers import fused
 from prefill_server.layers.linear import MergedLinear
 from prefill_server.layers.norm import RMSNorm
 from prefill_server.layers.rotary import RotaryEmbedding, apply_rotary
@@ -37,7 +42,9 @@ FUSED_PARAMS: dict[str, tuple[str, ...]] = {
 
 # Token rows processed at once in the non-attention parts of a layer: bounds the activation
 # memory of long prompts (the MLP's [T, 2 * intermediate] is the largest) without changing results.
-DEFAULT_CHUNK_TOKENS = 16384
+# 8192: on the H200 an 8B model's prefill is as fast as with 16384-row chunks (1.224 vs 1.226 s at
+# 32K tokens, docs/e2e-gpu-notes.md) with 0.7 GiB less activation memory.
+DEFAULT_CHUNK_TOKENS = 8192
 
 
 class Attention(nn.Module):
@@ -54,16 +61,34 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [T, hidden] (already normed) -> q [T, Hq, D], k [T, Hkv, D] (roped), v [T, Hkv, D]."""
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out=None):
+        """x [T, hidden] (already normed) -> q [T, Hq, D], k [T, Hkv, D] (roped), v [T, Hkv, D];
+        written into ``out`` (q, k, v tensors of T rows) when given."""
         t = x.shape[0]
+        if self.q_norm is None and fused.available(x):  # one pass: rope q and k, copy v
+            r = fused.rope_qkv(self.qkv_proj(x), cos, sin, self.num_heads, self.num_kv_heads,
+                               self.head_dim, out)
+            if r is not None:
+                return r
         q, k, v = self.qkv_proj.forward_split(x)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim).contiguous()
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if out is None:
+            return q, k, v
+        for dst, src in zip(out, (q, k, v)):
+            dst.copy_(src)
+        return out
+
+    def output(self, o: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """o [T, Hq * D], residual [T, hidden] -> residual + o_proj(o) [T, hidden]; on CUDA
+        accumulated into ``residual`` in place by the GEMM (beta = 1), elsewhere a new tensor."""
+        if self.o_proj.bias is None and fused.available(o):
+            return residual.addmm_(o, self.o_proj.weight.t())
+        return residual + self.o_proj(o)
 
 
 class MLP(nn.Module):
@@ -72,9 +97,21 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, hidden] -> mlp(x) [T, hidden]; with ``residual``: residual + mlp(x), into ``out``."""
+        if self.down_proj.bias is None and fused.available(x):
+            act = fused.silu_mul(self.gate_up_proj(x))  # [T, inter]
+            if residual is None:
+                return self.down_proj(act)
+            if out is residual:  # accumulate in place: no copy of the residual
+                return residual.addmm_(act, self.down_proj.weight.t())
+            return torch.addmm(residual, act, self.down_proj.weight.t(), out=out)
         gate, up = self.gate_up_proj.forward_split(x)  # [T, inter] each
-        return self.down_proj(F.silu(gate) * up)  # [T, hidden]
+        y = self.down_proj(F.silu(gate) * up)  # [T, hidden]
+        if residual is None:
+            return y
+        return residual + y if out is None else torch.add(residual, y, out=out)
 
 
 class DecoderLayer(nn.Module):
@@ -89,15 +126,23 @@ class DecoderLayer(nn.Module):
                 chunk: int) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; may update x in place."""
         sa = self.self_attn
-        qkv = [sa.project(self.input_layernorm(x[s:s + chunk]), cos[s:s + chunk], sin[s:s + chunk])
-               for s in range(0, x.shape[0], chunk)]
-        q, k, v = (torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*qkv))
+        t = x.shape[0]
+        if t <= chunk:
+            q, k, v = sa.project(self.input_layernorm(x), cos, sin)
+        else:  # project chunk by chunk straight into whole-prompt buffers
+            q = x.new_empty(t, sa.num_heads, sa.head_dim)
+            k = x.new_empty(t, sa.num_kv_heads, sa.head_dim)
+            v = x.new_empty(t, sa.num_kv_heads, sa.head_dim)
+            for s in range(0, t, chunk):
+                e = s + chunk
+                sa.project(self.input_layernorm(x[s:e]), cos[s:e], sin[s:e], out=(q[s:e], k[s:e], v[s:e]))
         o = attn(sa.layer, q, k, v)  # [T, Hq, D]
         del q, k, v
-        o = o.reshape(o.shape[0], -1)  # [T, Hq * D]
-        for s in range(0, x.shape[0], chunk):
-            h = x[s:s + chunk] + sa.o_proj(o[s:s + chunk])
-            x[s:s + chunk] = h + self.mlp(self.post_attention_layernorm(h))
+        o = o.reshape(t, -1)  # [T, Hq * D]
+        for s in range(0, t, chunk):
+            xs = x[s:s + chunk]
+            h = sa.output(o[s:s + chunk], xs)  # xs + o_proj(o) (xs itself on CUDA)
+            self.mlp(self.post_attention_layernorm(h), residual=h, out=xs)  # xs <- h + mlp(norm(h))
         return x
 
 

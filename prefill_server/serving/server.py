@@ -26,7 +26,8 @@ def build_service(ecfg: EngineConfig, scfg: ServerConfig) -> PrefillService:
     if scfg.transfer_mode == "nixl-compat":
         from kv_transfer.vllm.v0_32 import discover_decode
 
-        decode_info = discover_decode(scfg.decode_url, attn_backend_name=scfg.decode_attn_backend)
+        decode_info = discover_decode(scfg.decode_url, attn_backend_name=scfg.decode_attn_backend,
+                                      timeout_s=30.0)
     block_size = ecfg.block_size or (decode_info.block_size if decode_info else None)
     pool = build.make_pool(ecfg, m, block_size)
     if decode_info is None:
