@@ -1,0 +1,189 @@
+"""Interfaces between the prefill engine and the KV transfer backends.
+
+A *producer* owns the path of one request's KV from the moment the engine has written it into the
+KV pool until the pool gets those blocks back. Engines call it; it never calls the engine.
+
+Lifecycle of one request's KV (``TransferState``)
+-------------------------------------------------
+Pull mode (stock vLLM ``NixlConnector`` compatibility, ``kv_transfer.vllm.v0_32``)::
+
+    engine: pool.allocate() -> forward writes K/V -> producer.publish(rid, blocks, n_tokens)
+                                                              |
+                                                              v
+        LEASED --(decode handshakes on the side channel, NIXL-READs the blocks,
+           |      then sends the notification "rid:n"; after n of them)--> RELEASED
+           |--(heartbeat "HB:rid,..." from a decode still queueing it) --> LEASED (extended)
+           |--(lease deadline passes, no heartbeat)---------------------> EXPIRED
+           '--(producer.abort(rid), e.g. the client went away)----------> ABORTED
+
+    Ownership: until ``publish`` returns, the engine owns the blocks and frees them itself on any
+    error (``publish`` raising leaves no lease behind). From ``publish`` on, the producer owns them
+    through a pool lease: every end state above frees them exactly once with ``pool.release`` or
+    ``pool.expire``; the engine never frees a published request. ``stop()`` releases every lease
+    still held.
+
+Streaming push mode (our own vLLM connector, SGLang; ``StreamingKVProducer``)::
+
+    gateway sends the request to decode and prefill at once
+        EXPECTING --(decode registers its destination blocks)--> READY
+        READY --(engine: layer_done(rid, layer) for each layer, WRITE that layer)--> SENDING
+        SENDING --(finish(rid): all writes DONE, completion sent to the decode)--> RELEASED
+        any state --(abort / timeout / transfer error)--> ABORTED / EXPIRED / FAILED
+
+    Ownership: the engine's blocks are only a staging area while a layer's WRITE is in flight; the
+    engine frees them when ``finish`` (or ``abort``) returns, so a prompt never needs its whole KV
+    resident at once. The decode owns its own blocks throughout.
+
+Everything version-specific (wire formats, hashes, notification syntax) lives in one module per
+pinned peer version (``kv_transfer/vllm/v0_32.py``, later ``kv_transfer/sglang/v0_5_23.py``).
+"""
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from enum import Enum
+from typing import Any, Protocol, runtime_checkable
+
+
+class TransferMode(str, Enum):
+    PULL = "pull"  # the decode READs leased blocks (stock vLLM NixlConnector)
+    PUSH = "push"  # the prefill WRITEs into the decode's blocks, layer by layer
+
+
+class TransferState(Enum):
+    """Where one request's KV is. Terminal states (``is_terminal``) have given the blocks back."""
+
+    # pull
+    LEASED = "leased"          # published, blocks held under a lease until the decode has read them
+    # push
+    EXPECTING = "expecting"    # waiting for the decode to say where to write
+    READY = "ready"            # destination known, waiting for the engine's layers
+    SENDING = "sending"        # WRITEs in flight
+    # terminal (blocks freed)
+    RELEASED = "released"      # the decode confirmed it has the KV
+    EXPIRED = "expired"        # lease or wait ran out (decode never came, or died)
+    ABORTED = "aborted"        # aborted by the engine / gateway
+    FAILED = "failed"          # a transfer error
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (TransferState.RELEASED, TransferState.EXPIRED, TransferState.ABORTED,
+                        TransferState.FAILED)
+
+
+@dataclass
+class ProducerStats:
+    """Counters since ``start()``; names follow the Prometheus metrics the serving layer exports
+    (``prefill_kv_transfer_bytes_total``, ``prefill_kv_lease_expired_total``, ...)."""
+
+    published_total: int = 0          # requests published
+    bytes_offered_total: int = 0      # bytes of KV pages put under lease (all layers)
+    bytes_released_total: int = 0     # bytes of leases that ended with the decode's notification
+    released_total: int = 0           # leases ended by the decode's notification
+    leases_expired_total: int = 0     # leases that ran out
+    aborted_total: int = 0            # leases ended by abort()
+    notifications_total: int = 0      # transfer-done notifications received (valid ones)
+    heartbeats_total: int = 0         # heartbeat notifications received
+    bad_notifications_total: int = 0  # malformed or for unknown/expired requests (ignored)
+    handshakes_total: int = 0         # side-channel metadata requests answered
+    active_leases: int = 0            # gauge
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class StatsCounter:
+    """Thread-safe ``ProducerStats`` holder shared by a producer's threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._s = ProducerStats()
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                setattr(self._s, k, getattr(self._s, k) + v)
+
+    def set(self, **values: int) -> None:
+        with self._lock:
+            for k, v in values.items():
+                setattr(self._s, k, v)
+
+    def snapshot(self) -> ProducerStats:
+        with self._lock:
+            return ProducerStats(**asdict(self._s))
+
+
+class KVProducer(ABC):
+    """What the engine calls once a request's KV is in the pool (pull mode).
+
+    Thread-safety: every method may be called from the engine thread while the producer's own
+    background thread serves handshakes and notifications.
+    """
+
+    mode: TransferMode = TransferMode.PULL
+
+    @abstractmethod
+    def start(self) -> None:
+        """Register the pool with the transport and start serving (side channel, notifications,
+        lease expiry). Idempotent."""
+
+    @abstractmethod
+    def stop(self) -> None:
+        """Stop serving, release every lease still held, deregister memory. Idempotent."""
+
+    @abstractmethod
+    def publish(self, request_id: str, block_ids: Sequence[int], num_tokens: int) -> dict[str, Any]:
+        """Hand the blocks holding ``num_tokens`` tokens of KV over to the producer (under a lease)
+        and return the ``kv_transfer_params`` dict the decode request must carry.
+
+        ``block_ids[t // block_size]`` holds token t. Raises ``ValueError`` (``InvalidRequest``)
+        on bad input, in which case nothing was leased and the caller still owns the blocks."""
+
+    @abstractmethod
+    def abort(self, request_id: str) -> bool:
+        """End the request's lease now and free its blocks. False if it holds none (already
+        released, expired or never published)."""
+
+    @abstractmethod
+    def state(self, request_id: str) -> TransferState | None:
+        """Current state, or the terminal state of a recently finished request (kept for a short
+        while), or None if unknown."""
+
+    @abstractmethod
+    def stats(self) -> ProducerStats:
+        """A snapshot of the counters."""
+
+    # context-manager sugar for tests and the CLI
+    def __enter__(self) -> KVProducer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@runtime_checkable
+class StreamingKVProducer(Protocol):
+    """Push mode (our vLLM connector, SGLang): the decode allocates and registers destination
+    blocks, the prefill WRITEs each layer as soon as it is computed. Implemented later; the engine
+    drives it like this::
+
+        params = producer.expect(rid, transfer_request)   # before the forward; may block briefly
+        for layer in range(L): ...forward...; producer.layer_done(rid, layer, block_ids, start, end)
+        producer.finish(rid, num_tokens)                    # all WRITEs done, decode notified
+    """
+
+    mode: TransferMode
+
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def expect(self, request_id: str, transfer_request: dict[str, Any]) -> dict[str, Any]: ...
+    def layer_done(self, request_id: str, layer: int, block_ids: Sequence[int], start: int,
+                   end: int) -> None: ...
+    def finish(self, request_id: str, num_tokens: int, timeout_s: float | None = None) -> None: ...
+    def abort(self, request_id: str) -> bool: ...
+    def state(self, request_id: str) -> TransferState | None: ...
+    def stats(self) -> ProducerStats: ...

@@ -1,0 +1,209 @@
+"""A thin wrapper over NIXL's Python agent (``nixl._api.nixl_agent``, nixl 1.5).
+
+What it adds: one agent per producer with the UCX backend, the KV pool registered ONCE as one
+region (never per request), descriptor helpers that coalesce runs of contiguous blocks, transfers
+that wait with a timeout (sleeping between polls, never spinning), and a shutdown that releases
+handles, forgets remote agents and deregisters memory in that order.
+
+NIXL facts this relies on (nixl 1.5.1):
+- ``get_new_notifs()`` returns ``{remote_agent_name: [bytes, ...]}`` with only the notifications
+  that arrived since the last call (``update_notifs`` would accumulate them instead).
+- ``get_agent_metadata()`` is the blob a peer passes to ``add_remote_agent``; it lists the
+  registered regions, so it must be taken after ``register``.
+- A peer can READ/WRITE any sub-range of a registered region; the progress thread (on by default)
+  services one-sided operations and notifications while no Python code runs.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from prefill_server.errors import TransferError
+
+log = logging.getLogger(__name__)
+
+_POLL_MIN_S = 0.0002
+_POLL_MAX_S = 0.01
+
+
+def import_nixl() -> Any:
+    """The ``nixl._api`` module, or a ``TransferError`` saying what to install."""
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config  # noqa: F401
+        import nixl._api as api
+    except ImportError as e:  # pragma: no cover - depends on the machine
+        raise TransferError(f"NIXL is not importable ({e}); install nixl-cu12==1.5.1 and nixl==1.5.1") from e
+    return api
+
+
+def mem_type_of(tensor: torch.Tensor) -> str:
+    return "DRAM" if tensor.device.type == "cpu" else "VRAM"
+
+
+def device_id_of(tensor: torch.Tensor) -> int:
+    return 0 if tensor.device.type == "cpu" else int(tensor.device.index or 0)
+
+
+def coalesce_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
+    """[(first_block, count), ...] for the maximal runs of consecutive ids, in order."""
+    runs: list[tuple[int, int]] = []
+    for b in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((int(b), 1))
+    return runs
+
+
+def block_descs(base_addrs: Sequence[int], block_bytes: int, block_stride: int,
+                block_ids: Sequence[int], device_id: int = 0) -> np.ndarray:
+    """Nx3 uint64 descriptors (addr, len, dev) for block_ids in every region of base_addrs, one
+    descriptor per run of contiguous blocks when block_stride == block_bytes."""
+    if block_stride == block_bytes:
+        runs = coalesce_runs(block_ids)
+    else:
+        runs = [(int(b), 1) for b in block_ids]
+    rows = [(base + first * block_stride, count * block_bytes, device_id)
+            for base in base_addrs for first, count in runs]
+    return np.asarray(rows, dtype=np.uint64).reshape(-1, 3)
+
+
+class NixlAgent:
+    """One NIXL agent. Not thread-safe by itself: use it from one thread at a time (a producer's
+    service thread), or guard it with a lock."""
+
+    def __init__(self, name: str, backends: Iterable[str] = ("UCX",), num_threads: int = 0,
+                 progress_thread: bool = False):
+        api = import_nixl()
+        self.name = name
+        self.backends = list(backends)
+        cfg = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=self.backends,
+                                    num_threads=num_threads)
+        self._agent = api.nixl_agent(name, cfg)
+        missing = [b for b in self.backends if b not in self._agent.backends]
+        if missing:
+            raise TransferError(f"NIXL backend(s) {missing} unavailable; plugins found: "
+                                f"{self._agent.get_plugin_list()}")
+        self._reg_descs: Any = None
+        self._registered: torch.Tensor | None = None
+        self._remotes: set[str] = set()
+        self._closed = False
+
+    # ---- memory ----
+    def register(self, tensor: torch.Tensor) -> None:
+        """Register the whole (contiguous) tensor as one region. Once per agent."""
+        if self._registered is not None:
+            raise RuntimeError("NixlAgent.register: memory is already registered (register once)")
+        if not tensor.is_contiguous():
+            raise ValueError("NixlAgent.register: the tensor must be contiguous")
+        region = [(tensor.data_ptr(), tensor.numel() * tensor.element_size(), device_id_of(tensor), "")]
+        descs = self._agent.get_reg_descs(region, mem_type_of(tensor))
+        self._agent.register_memory(descs, backends=self.backends)
+        self._reg_descs, self._registered = descs, tensor
+        log.debug("nixl %s registered %d bytes (%s)", self.name, region[0][1], mem_type_of(tensor))
+
+    @property
+    def registered(self) -> torch.Tensor | None:
+        return self._registered
+
+    def metadata(self) -> bytes:
+        """Full agent metadata (connection info and registered regions), for a peer's
+        ``add_remote_agent``."""
+        return self._agent.get_agent_metadata()
+
+    # ---- peers and notifications ----
+    def add_remote(self, metadata: bytes) -> str:
+        name = self._agent.add_remote_agent(metadata)
+        if isinstance(name, bytes):
+            name = name.decode()
+        self._remotes.add(name)
+        return name
+
+    def remove_remote(self, name: str) -> None:
+        if name in self._remotes:
+            self._remotes.discard(name)
+            self._agent.remove_remote_agent(name)
+
+    def get_notifs(self) -> list[tuple[str, bytes]]:
+        """Notifications received since the last call, as (sender agent, message)."""
+        out: list[tuple[str, bytes]] = []
+        for agent, msgs in self._agent.get_new_notifs().items():
+            out.extend((agent, m) for m in msgs)
+        return out
+
+    def send_notif(self, remote: str, msg: bytes) -> None:
+        self._agent.send_notif(remote, msg)
+
+    def wait_notif(self, predicate, timeout_s: float) -> tuple[str, bytes]:
+        """Block (sleeping between polls) until a notification satisfies predicate(agent, msg);
+        other notifications received meanwhile are dropped. Test and tooling helper."""
+        deadline = time.monotonic() + timeout_s
+        delay = _POLL_MIN_S
+        while True:
+            for agent, msg in self.get_notifs():
+                if predicate(agent, msg):
+                    return agent, msg
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no matching NIXL notification within {timeout_s} s")
+            time.sleep(delay)
+            delay = min(delay * 2, _POLL_MAX_S)
+
+    # ---- transfers (initiator side: our push mode, and tests that play the decode) ----
+    def transfer(self, op: str, local_descs: np.ndarray, remote_descs: np.ndarray, remote: str,
+                 mem_type: str = "DRAM", remote_mem_type: str | None = None, notif: bytes = b"",
+                 timeout_s: float = 30.0) -> int:
+        """Run one READ or WRITE between equal-length Nx3 descriptor arrays and wait for it.
+        Returns the bytes moved. Raises ``TransferError`` on error or timeout (the handle is
+        released either way)."""
+        if op not in ("READ", "WRITE"):
+            raise ValueError(f"op must be READ or WRITE, not {op!r}")
+        local = self._agent.get_xfer_descs(local_descs, mem_type)
+        remote_list = self._agent.get_xfer_descs(remote_descs, remote_mem_type or mem_type)
+        handle = self._agent.initialize_xfer(op, local, remote_list, remote, notif)
+        try:
+            state = self._agent.transfer(handle)
+            deadline = time.monotonic() + timeout_s
+            delay = _POLL_MIN_S
+            while state == "PROC":
+                if time.monotonic() >= deadline:
+                    raise TransferError(f"NIXL {op} to {remote} timed out after {timeout_s} s")
+                time.sleep(delay)
+                delay = min(delay * 2, _POLL_MAX_S)
+                state = self._agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise TransferError(f"NIXL {op} to {remote} failed: {state}")
+        finally:
+            try:
+                self._agent.release_xfer_handle(handle)
+            except Exception:  # noqa: BLE001 - an active transfer cannot be released; log only
+                log.exception("nixl %s: could not release a transfer handle", self.name)
+        return int(np.asarray(local_descs, dtype=np.uint64).reshape(-1, 3)[:, 1].sum())
+
+    # ---- shutdown ----
+    def close(self) -> None:
+        """Forget peers, deregister memory. Idempotent; the agent object is unusable after."""
+        if self._closed:
+            return
+        self._closed = True
+        for name in list(self._remotes):
+            try:
+                self.remove_remote(name)
+            except Exception:  # noqa: BLE001
+                log.debug("nixl %s: remove_remote(%s) failed", self.name, name, exc_info=True)
+        if self._reg_descs is not None:
+            try:
+                self._agent.deregister_memory(self._reg_descs, backends=self.backends)
+            except Exception:  # noqa: BLE001
+                log.exception("nixl %s: deregister_memory failed", self.name)
+            self._reg_descs, self._registered = None, None
+
+    def __enter__(self) -> NixlAgent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,1 @@
+"""vLLM integration: one module per pinned vLLM version (``v0_32``), later our own connector."""
