@@ -22,7 +22,7 @@ class Metrics:
         self.kv_bytes = Counter(p + "kv_transfer_bytes_total", "KV bytes made available to / sent to decoders",
                                 registry=r)
         self.kv_transfer_time = Histogram(p + "kv_transfer_seconds",
-                                          "KV published -> decode done reading (lease released)",
+                                          "KV published -> lease released (pull: the decode has read it)",
                                           registry=r, buckets=_LATENCY_BUCKETS)
         self.kv_failed = Counter(p + "kv_transfer_failed_total", "Transfers that failed or were aborted",
                                  registry=r)

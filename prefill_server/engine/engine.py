@@ -45,6 +45,7 @@ class Engine:
         self.scheduler = Scheduler(pool, token_budget, max_num_seqs, max_queue_wait_s)
         self.metrics = metrics or Metrics()
         self.metrics.blocks_total.set(pool.num_blocks)
+        pool.on_lease_end = self._lease_ended
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._stop = False
@@ -184,6 +185,13 @@ class Engine:
             if seq is not None:
                 self._fail(seq, RequestCancelled(f"request {rid} was aborted"), locked=True)
         self._aborts.clear()
+
+    def _lease_ended(self, lease, expired: bool) -> None:
+        """Pull mode: a lease ends when the decode has read the KV (or gave up / expired)."""
+        if not expired:
+            self.metrics.kv_transfer_time.observe(time.monotonic() - lease.created_at)
+        else:
+            self.metrics.kv_failed.inc()
 
     def _fail_all(self, err: BaseException) -> None:  # lock held
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):

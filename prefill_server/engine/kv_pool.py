@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -29,6 +30,7 @@ class Lease:
     expires_at: float  # time.monotonic() deadline
     num_tokens: int = 0
     meta: dict = field(default_factory=dict)
+    created_at: float = field(default_factory=time.monotonic)
 
 
 class KVPool:
@@ -46,6 +48,8 @@ class KVPool:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self._leases: dict[str, Lease] = {}
         self.expired_total = 0
+        # called (lease, expired: bool) after a lease's blocks are freed; for metrics
+        self.on_lease_end: Callable[[Lease, bool], None] | None = None
 
     # ---- geometry (what a peer needs to address pages) ----
     @property
@@ -140,7 +144,15 @@ class KVPool:
         if lease is None:
             return False
         self.free(lease.block_ids)
+        self._ended(lease, expired=False)
         return True
+
+    def _ended(self, lease: Lease, expired: bool) -> None:
+        if self.on_lease_end is not None:
+            try:
+                self.on_lease_end(lease, expired)
+            except Exception:  # a metrics hook never breaks freeing
+                pass
 
     def expire(self, now: float | None = None) -> list[str]:
         """Free every lease past its deadline; returns their request ids."""
@@ -150,6 +162,7 @@ class KVPool:
             leases = [self._leases.pop(rid) for rid in dead]
         for lz in leases:
             self.free(lz.block_ids)
+            self._ended(lz, expired=True)
         self.expired_total += len(dead)
         return dead
 

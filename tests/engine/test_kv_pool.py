@@ -62,3 +62,14 @@ def test_lease_release_extend_expire():
     assert pool.expired_total == 1 and pool.num_used == 3
     assert pool.release("b") and not pool.release("b")
     assert pool.num_used == 0
+
+
+def test_lease_end_hook_sees_release_and_expiry():
+    pool = make_pool()
+    seen = []
+    pool.on_lease_end = lambda lease, expired: seen.append((lease.request_id, expired))
+    pool.lease("r", pool.allocate(1), ttl_s=60)
+    pool.lease("e", pool.allocate(1), ttl_s=0.0)
+    pool.expire()
+    pool.release("r")
+    assert seen == [("e", True), ("r", False)] and pool.num_used == 0
