@@ -28,6 +28,9 @@ def _serve_parser(sub) -> None:
                    help="model id clients send; default: the decode's model id (local mode: the folder)")
     p.add_argument("--dtype", default=d.dtype, help="auto | float32 | bfloat16 | float16 (match the decode's)")
     p.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--attention", default=d.attention, choices=["dense", "sparse"],
+                   help="sparse: block-sparse attention for prompts past 8K tokens (all but the first "
+                        "layer); dense below that")
     p.add_argument("--block-size", type=int, default=d.block_size,
                    help="tokens per KV block; 0 = the decode's (read from its /metrics; 16 if unknown). "
                         "Must divide the decode's --block-size")
@@ -109,7 +112,8 @@ def _serve(args) -> int:
     ecfg = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                         num_kv_blocks=args.num_kv_blocks, kv_cache_gib=args.kv_cache_gib,
                         token_budget=args.token_budget, max_num_seqs=args.max_num_seqs,
-                        max_queue_wait_s=args.max_queue_wait, lease_ttl_s=args.lease_ttl)
+                        max_queue_wait_s=args.max_queue_wait, lease_ttl_s=args.lease_ttl,
+                        attention=args.attention)
     scfg = ServerConfig(host=args.host, port=args.port, decode_url=args.decode_url,
                         transfer_mode=args.transfer_mode, side_channel_host=args.side_channel_host,
                         side_channel_port=args.side_channel_port, served_model_name=args.served_model_name,

@@ -18,6 +18,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_queue_wait_s: float = 60.0
     lease_ttl_s: float = 30.0  # KV held for the decode this long unless it reads or heartbeats
+    attention: str = "dense"  # dense | sparse (block-sparse past SparseConfig.dense_len_threshold)
 
     def validate(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -28,6 +29,8 @@ class EngineConfig:
             raise ValueError("--token-budget must be at least the block size")
         if self.max_num_seqs < 1 or self.kv_cache_gib <= 0 or self.num_kv_blocks < 0:
             raise ValueError("--max-num-seqs, --kv-cache-gib must be positive, --num-kv-blocks >= 0")
+        if self.attention not in ("dense", "sparse"):
+            raise ValueError(f"--attention must be dense or sparse, not {self.attention!r}")
         if self.lease_ttl_s <= 0 or self.max_queue_wait_s <= 0:
             raise ValueError("--lease-ttl and --max-queue-wait must be positive")
 

@@ -55,5 +55,11 @@ def make_pool(cfg: EngineConfig, m: LoadedModel, block_size: int | None = None) 
     return KVPool(c.num_layers, num_blocks, c.num_kv_heads, bs, c.head_dim, m.dtype, m.device)
 
 
-def make_runner(m: LoadedModel, pool: KVPool) -> ModelRunner:
-    return ModelRunner(m.model, pool, m.config.head_dim, m.device)
+def make_runner(m: LoadedModel, pool: KVPool, attention: str = "dense") -> ModelRunner:
+    """attention: "dense", or "sparse" (block-sparse for sequences past the dense threshold)."""
+    sparse = None
+    if attention == "sparse":
+        from prefill_server.layers.sparse import SparseAttention
+
+        sparse = SparseAttention()
+    return ModelRunner(m.model, pool, m.config.head_dim, m.device, sparse=sparse)

@@ -39,8 +39,9 @@ def build_service(ecfg: EngineConfig, scfg: ServerConfig) -> PrefillService:
                                       port=scfg.side_channel_port, lease_ttl_s=ecfg.lease_ttl_s)
         served = scfg.served_model_name or decode_info.served_model_name
     c = m.config
-    engine = Engine(build.make_runner(m, pool), pool, producer, max_model_len=c.max_position_embeddings,
-                    vocab_size=c.vocab_size, token_budget=ecfg.token_budget, max_num_seqs=ecfg.max_num_seqs,
+    runner = build.make_runner(m, pool, ecfg.attention)
+    engine = Engine(runner, pool, producer, max_model_len=c.max_position_embeddings, vocab_size=c.vocab_size,
+                    token_budget=ecfg.token_budget, max_num_seqs=ecfg.max_num_seqs,
                     max_queue_wait_s=ecfg.max_queue_wait_s)
     info = ModelInfo(served, m.path, c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size,
                      c.max_position_embeddings, str(m.dtype).removeprefix("torch."), pool.block_size)
