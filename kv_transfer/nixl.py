@@ -38,7 +38,17 @@ def import_nixl() -> Any:
         import nixl._api as api
     except ImportError as e:  # pragma: no cover - depends on the machine
         raise TransferError(f"NIXL is not importable ({e}); install nixl-cu12==1.5.1 and nixl==1.5.1") from e
+    _nixl_logs_to_stderr()
     return api
+
+
+def _nixl_logs_to_stderr() -> None:
+    """NIXL's logger writes to stdout; a server's stdout is for its own output (the address line)."""
+    import sys
+
+    for h in logging.getLogger("nixl").handlers:
+        if isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) is sys.stdout:
+            h.setStream(sys.stderr)
 
 
 def mem_type_of(tensor: torch.Tensor) -> str:
