@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# The default test run: set-up (idempotent), then every test that needs no GPU, the end-to-end tests
-# against a real vLLM decode included. Extra pytest arguments pass through.
+# The default test run: set-up (idempotent), then every test that needs no GPU and no running vLLM.
+#   bash scripts/test.sh            unit, model-numerics, engine, serving, gRPC, transfer, kernel tests
+#   bash scripts/test.sh --e2e      also the end-to-end tests against a real vLLM decode (tests/e2e)
+# Extra pytest arguments pass through.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-export PREFILL_E2E_REQUIRED=${PREFILL_E2E_REQUIRED:-1}
-export TRITON_INTERPRET=1
-exec .venv/bin/python -m pytest -ra "$@"
+export TRITON_INTERPRET=1 PYTHONUNBUFFERED=1
+if [ "${1:-}" = "--e2e" ]; then
+  shift
+  export PREFILL_E2E_REQUIRED=${PREFILL_E2E_REQUIRED:-1}
+  exec .venv/bin/python -m pytest -ra -m "not slow and not gpu" "$@"
+fi
+exec .venv/bin/python -m pytest -ra -m "not slow and not gpu and not e2e" "$@"

@@ -21,6 +21,7 @@ from prefill_server.config import EngineConfig, ServerConfig
 from prefill_server.serving.server import build_service
 
 MAX_TOKENS = 32
+pytestmark = pytest.mark.e2e
 
 
 def ask(base_url: str, p: Prompt, model: str | None = None, timeout: float = 600) -> list[tuple[str, float]]:
