@@ -12,4 +12,8 @@ if [ "${1:-}" = "--e2e" ]; then
   export PREFILL_E2E_REQUIRED=${PREFILL_E2E_REQUIRED:-1}
   exec .venv/bin/python -m pytest -ra -m "not slow and not gpu" "$@"
 fi
-exec .venv/bin/python -m pytest -ra -m "not slow and not gpu and not e2e" "$@"
+# The NIXL tests run in their own process: in one long session, loading NIXL's UCX libraries
+# after Triton's interpreter tests aborted the interpreter once (not understood yet; see issue notes).
+M="not slow and not gpu and not e2e"
+.venv/bin/python -m pytest -ra -m "$M" tests/kv_transfer "$@"
+exec .venv/bin/python -m pytest -ra -m "$M" --ignore=tests/kv_transfer "$@"
