@@ -105,17 +105,24 @@ class NixlAgent:
         self._closed = False
 
     # ---- memory ----
-    def register(self, tensor: torch.Tensor) -> None:
-        """Register the whole (contiguous) tensor as one region. Once per agent."""
+    def register(self, tensor: torch.Tensor | Sequence[torch.Tensor]) -> None:
+        """Register the (contiguous) tensor(s), one region each. Once per agent: a pool is one
+        tensor; a vLLM decode's cache is one tensor per layer."""
         if self._registered is not None:
             raise RuntimeError("NixlAgent.register: memory is already registered (register once)")
-        if not tensor.is_contiguous():
-            raise ValueError("NixlAgent.register: the tensor must be contiguous")
-        region = [(tensor.data_ptr(), tensor.numel() * tensor.element_size(), device_id_of(tensor), "")]
-        descs = self._agent.get_reg_descs(region, mem_type_of(tensor))
+        tensors = [tensor] if isinstance(tensor, torch.Tensor) else list(tensor)
+        if not tensors or any(not t.is_contiguous() for t in tensors):
+            raise ValueError("NixlAgent.register: give one or more contiguous tensors")
+        mem = mem_type_of(tensors[0])
+        seen: dict[int, int] = {}
+        for t in tensors:  # views of one storage: register the storage's range once
+            seen[t.data_ptr()] = max(seen.get(t.data_ptr(), 0), t.numel() * t.element_size())
+        region = [(ptr, n, device_id_of(tensors[0]), "") for ptr, n in sorted(seen.items())]
+        descs = self._agent.get_reg_descs(region, mem)
         self._agent.register_memory(descs, backends=self.backends)
-        self._reg_descs, self._registered = descs, tensor
-        log.debug("nixl %s registered %d bytes (%s)", self.name, region[0][1], mem_type_of(tensor))
+        self._reg_descs, self._registered = descs, tensors[0]
+        log.debug("nixl %s registered %d region(s), %d bytes (%s)", self.name, len(region),
+                  sum(r[1] for r in region), mem)
 
     @property
     def registered(self) -> torch.Tensor | None:
@@ -193,6 +200,32 @@ class NixlAgent:
             except Exception:  # noqa: BLE001 - an active transfer cannot be released; log only
                 log.exception("nixl %s: could not release a transfer handle", self.name)
         return int(np.asarray(local_descs, dtype=np.uint64).reshape(-1, 3)[:, 1].sum())
+
+    # ---- asynchronous transfers (push mode: one per layer, overlapped with compute) ----
+    def post(self, op: str, local_descs: np.ndarray, remote_descs: np.ndarray, remote: str,
+             mem_type: str = "DRAM", remote_mem_type: str | None = None, notif: bytes = b"") -> Any:
+        """Start a READ/WRITE and return its handle at once; ``poll`` it, then ``release`` it.
+        The notification (if any) reaches the peer after the data."""
+        if op not in ("READ", "WRITE"):
+            raise ValueError(f"op must be READ or WRITE, not {op!r}")
+        local = self._agent.get_xfer_descs(local_descs, mem_type)
+        remote_list = self._agent.get_xfer_descs(remote_descs, remote_mem_type or mem_type)
+        handle = self._agent.initialize_xfer(op, local, remote_list, remote, notif)
+        state = self._agent.transfer(handle)
+        if state not in ("PROC", "DONE"):
+            self.release(handle)
+            raise TransferError(f"NIXL {op} to {remote} could not start: {state}")
+        return handle
+
+    def poll(self, handle: Any) -> str:
+        """"PROC" (in flight), "DONE", or an error state."""
+        return self._agent.check_xfer_state(handle)
+
+    def release(self, handle: Any) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception:  # noqa: BLE001 - an active transfer cannot be released; log only
+            log.exception("nixl %s: could not release a transfer handle", self.name)
 
     # ---- shutdown ----
     def close(self) -> None:

@@ -13,6 +13,14 @@ Request lifecycle (who frees what):
                the decode says it has read them, when the lease expires (no reader, no heartbeat),
                or on ``release``/``abort`` (client gave up, decode call failed).
 
+Push (connector mode, ``submit_push``): the producer is told at submit (``expect``) and returns the
+``kv_transfer_params`` for the decode; the request WAITS until its decode has registered its
+destination blocks (or fails after the producer's register timeout), then runs whole in one step on
+staging blocks; every layer is WRITTEN to the decode as soon as it is computed. ``producer.finish``
+waits for the last WRITE, then the engine frees the staging blocks. On any failure or abort the
+engine calls ``producer.abort`` (which waits for in-flight WRITEs and tells the decode) BEFORE
+freeing them.
+
 The engine never frees leased blocks itself; the producer never frees running blocks. A failed step
 fails only the requests in that step and the loop keeps serving.
 """
@@ -30,7 +38,8 @@ from prefill_server.engine.runner import ModelRunner
 from prefill_server.engine.sampling import sample_first_token
 from prefill_server.engine.scheduler import Scheduler, Sequence
 from prefill_server.engine.types import PrefillRequest, PrefillResult, Timings
-from prefill_server.errors import InvalidRequest, PoolExhausted, PromptTooLong, RequestCancelled
+from prefill_server.errors import (InvalidRequest, PoolExhausted, PromptTooLong, RequestCancelled,
+                                   TransferError)
 from prefill_server.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -42,7 +51,10 @@ class Engine:
                  metrics: Metrics | None = None):
         self.runner, self.pool, self.producer = runner, pool, producer
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
-        self.scheduler = Scheduler(pool, token_budget, max_num_seqs, max_queue_wait_s)
+        self.scheduler = Scheduler(pool, token_budget, max_num_seqs, max_queue_wait_s,
+                                   push_ready=getattr(producer, "is_ready", None))
+        self.supports_push = hasattr(producer, "expect")
+        runner.producer = producer if self.supports_push else None
         self.metrics = metrics or Metrics()
         self.metrics.blocks_total.set(pool.num_blocks)
         pool.on_lease_end = self._lease_ended
@@ -80,19 +92,34 @@ class Engine:
             raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
                                  field="prompt")
         req.sampling.validate()
-        self.scheduler.check_fits(n)
+        if req.push and not self.supports_push:
+            raise InvalidRequest("this server's transfer mode does not stream KV (push); start it "
+                                 "with --transfer-mode connector", field="transfer_mode")
+        self.scheduler.check_fits(n, req.push)
 
     def submit(self, req: PrefillRequest) -> Future:
         """Queue a prefill; the future resolves to a PrefillResult. Raises InvalidRequest at once."""
+        return self._submit(req)[0]
+
+    def submit_push(self, req: PrefillRequest) -> tuple[Future, dict]:
+        """Queue a streamed prefill (``req.push``); returns (future, kv_transfer_params for the
+        decode). Send the decode its request right away: the prefill starts once it registers."""
+        assert req.push
+        return self._submit(req)
+
+    def _submit(self, req: PrefillRequest) -> tuple[Future, dict | None]:
         self.validate(req)
         fut: Future = Future()
         with self._wake:
             if self.scheduler.find(req.request_id) or self.pool.get_lease(req.request_id):
                 raise InvalidRequest(f"request id {req.request_id!r} is already in use", field="request_id")
-            self.scheduler.add(Sequence(req, fut))
+            seq = Sequence(req, fut)
+            if req.push:
+                seq.params = self.producer.expect(req.request_id, seq.num_tokens)
+            self.scheduler.add(seq)
             self.metrics.queue_depth.set(self.scheduler.num_waiting)
             self._wake.notify_all()
-        return fut
+        return fut, seq.params
 
     def abort(self, request_id: str) -> bool:
         """Cancel a queued/running request or release a finished one's KV. True if anything was freed."""
@@ -126,6 +153,8 @@ class Engine:
 
     def step(self, chunks) -> None:
         try:
+            if chunks[0].seq.push and not self.producer.is_ready(chunks[0].seq.request_id):
+                raise self._push_error(chunks[0].seq)  # the decode went away after registering
             logits = self.runner.run(chunks)
         except Exception as e:  # a failed forward fails its requests only
             log.exception("forward failed for %d chunk(s)", len(chunks))
@@ -143,8 +172,14 @@ class Engine:
         req = seq.request
         try:
             token = sample_first_token(logits, req.sampling)
-            blocks, seq.block_ids = seq.block_ids, []
-            params = self.producer.publish(req.request_id, blocks, seq.num_tokens)
+            if req.push:
+                self.producer.finish(req.request_id)  # every layer's WRITE is done
+                blocks, seq.block_ids = seq.block_ids, []
+                self.pool.free(blocks)  # staging only; the KV is in the decode's blocks now
+                params = seq.params
+            else:
+                blocks, seq.block_ids = seq.block_ids, []
+                params = self.producer.publish(req.request_id, blocks, seq.num_tokens)
         except Exception as e:
             log.exception("publishing KV failed for %s", req.request_id)
             self._fail(seq, e)
@@ -157,7 +192,7 @@ class Engine:
         m.prefill_time.observe(timings.prefill_s)
         m.queue_time.observe(timings.queued_s)
         m.prompt_tokens.inc(seq.num_tokens)
-        m.kv_bytes.inc(len(blocks) * self.pool.block_bytes * self.pool.num_layers)
+        m.kv_bytes.inc(self.pool.blocks_needed(seq.num_tokens) * self.pool.block_bytes * self.pool.num_layers)
         m.requests.labels("ok").inc()
         result = PrefillResult(req.request_id, token, seq.num_tokens, 0, params, timings)
         if not seq.future.set_running_or_notify_cancel():
@@ -166,6 +201,8 @@ class Engine:
         seq.future.set_result(result)
 
     def _fail(self, seq: Sequence, err: BaseException, locked: bool = False) -> None:
+        if seq.push:  # no WRITE may still read the staging blocks when they are freed
+            self.producer.abort(seq.request_id, f"prefill failed: {err}")
         if locked:
             self.scheduler.remove(seq)
         else:
@@ -185,6 +222,13 @@ class Engine:
             if seq is not None:
                 self._fail(seq, RequestCancelled(f"request {rid} was aborted"), locked=True)
         self._aborts.clear()
+        for seq in list(self.scheduler.waiting):
+            if seq.push and (why := self.producer.overdue(seq.request_id)):
+                self._fail(seq, self._push_error(seq, why), locked=True)
+
+    def _push_error(self, seq: Sequence, why: str | None = None) -> Exception:
+        why = why or self.producer.overdue(seq.request_id) or "the decode's registration was lost"
+        return TransferError(f"request {seq.request_id}: {why}")
 
     def _lease_ended(self, lease, expired: bool) -> None:
         """Pull mode: a lease ends when the decode has read the KV (or gave up / expired)."""

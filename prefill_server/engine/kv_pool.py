@@ -102,12 +102,36 @@ class KVPool:
     def write(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [T, H, D] written at (blocks[t], offsets[t])."""
+        self._write(self.kv[layer], blocks, offsets, k, v)  # page [NB, H, N, 2D]
+
+    def write_flat(self, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [T, H, D] written at (flat page pages[t], offsets[t]); see ``stream_pages``."""
+        self._write(self.kv.view(-1, *self.kv.shape[2:]), pages, offsets, k, v)
+
+    def _write(self, page: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
+               k: torch.Tensor, v: torch.Tensor) -> None:
         d = self.head_dim
-        page = self.kv[layer]  # [NB, H, N, 2D]
         if fused.available(page) and fused.kv_write(page, blocks, offsets, k, v):  # one pass, on CUDA
             return
         page[blocks, :, offsets, :d] = k.to(self.dtype)
         page[blocks, :, offsets, d:] = v.to(self.dtype)
+
+    # ---- streaming (push) staging: a few layers of one prompt, not all of them ----
+    # The pool seen as flat pages kv.view(L * NB, H, N, 2D): page (layer l, block b) = l * NB + b.
+    # A streamed prompt of m pages keeps ``slots`` layers in flight, i.e. slots * m pages, carved
+    # out of ceil(slots * m / L) whole blocks: a prompt larger than the pool still fits.
+    def stream_blocks_needed(self, num_tokens: int, slots: int) -> int:
+        return -(-slots * self.blocks_needed(num_tokens) // self.num_layers)
+
+    def stream_pages(self, block_ids: list[int], num_tokens: int, slot: int, slots: int) -> list[int]:
+        """Flat page indices [m] for staging slot ``slot`` of a prompt owning ``block_ids``."""
+        m, k = self.blocks_needed(num_tokens), len(block_ids)
+        assert k >= self.stream_blocks_needed(num_tokens, slots) and 0 <= slot < slots
+        out = []
+        for i in range(m):
+            p = slot * m + i
+            out.append((p // k) * self.num_blocks + block_ids[p % k])
+        return out
 
     def read(self, layer: int, block_ids: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of the first num_tokens tokens of a request: each [T, H, D]."""

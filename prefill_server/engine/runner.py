@@ -3,6 +3,10 @@
 Tokens of all chunks are concatenated ([T] ids and positions); at every layer the attention context
 writes the chunk's K/V into the pool pages, then attends each chunk's queries to its sequence's keys
 (earlier chunks read back from the pool, the current chunk's straight from the projection).
+
+A streamed (push) prompt runs alone and whole: at layer l its K/V go to staging slot l % S, the
+producer starts that layer's WRITE at once (overlapping the attention and the next layers), and
+slot reuse waits for the WRITE of layer l - S.
 """
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from prefill_server.engine.kv_pool import KVPool
-from prefill_server.engine.scheduler import Chunk
+from prefill_server.engine.scheduler import Chunk, Scheduler
 from prefill_server.layers.attention import dense_attention
 
 
@@ -24,16 +28,48 @@ class _SeqSlice:
     block_ids: list[int]
 
 
+class _Stream:
+    """Staging of one streamed prompt: per slot, flat pool pages [m] and per-token pages [T]."""
+
+    def __init__(self, pool: KVPool, producer, request_id: str, block_ids: list[int], num_tokens: int,
+                 slots: int):
+        self.producer, self.request_id, self.slots = producer, request_id, slots
+        pos = torch.arange(num_tokens)
+        self.pages = [pool.stream_pages(block_ids, num_tokens, s, slots) for s in range(slots)]
+        self.token_pages = [torch.tensor(p, dtype=torch.long)[pos // pool.block_size].to(pool.device)
+                            for p in self.pages]
+        self.offsets = (pos % pool.block_size).to(pool.device)
+
+    def write(self, pool: KVPool, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        slot = layer % self.slots
+        if layer >= self.slots:
+            self.producer.wait_layer(self.request_id, layer - self.slots)  # slot's previous WRITE
+        pool.write_flat(self.token_pages[slot], self.offsets, k, v)
+        event = None
+        if k.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self.producer.layer_done(self.request_id, layer, self.pages[slot], event)
+
+
 class PagedAttention:
     """The ``attn(layer, q, k, v)`` callable the model calls at each layer for one step."""
 
-    def __init__(self, pool: KVPool, slices: list[_SeqSlice], scale: float, sparse=None):
+    def __init__(self, pool: KVPool, slices: list[_SeqSlice], scale: float, sparse=None,
+                 stream: _Stream | None = None):
         self.pool, self.slices, self.scale, self.sparse = pool, slices, scale, sparse
-        blocks, offsets = zip(*(pool.slot_mapping(s.block_ids, s.start, s.end) for s in slices))
-        self.blocks, self.offsets = torch.cat(blocks), torch.cat(offsets)  # [T] each
+        self.stream = stream
+        if stream is None:
+            blocks, offsets = zip(*(pool.slot_mapping(s.block_ids, s.start, s.end) for s in slices))
+            self.blocks, self.offsets = torch.cat(blocks), torch.cat(offsets)  # [T] each
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q [T, Hq, D], k/v [T, Hkv, D] -> o [T, Hq, D]
+        if self.stream is not None:  # one whole prompt: K/V to staging, attention from k/v as is
+            self.stream.write(self.pool, layer, k, v)
+            if self.sparse is not None and self.sparse.wants(layer, k.shape[0]):
+                return self.sparse.attend(layer, q, k, v, self.scale)
+            return dense_attention(q, k, v, self.scale)
         self.pool.write(layer, self.blocks, self.offsets, k, v)
         if len(self.slices) == 1 and self.slices[0].start == 0 and self.sparse is None:
             return dense_attention(q, k, v, self.scale)  # one whole prompt: no gather, no copy
@@ -58,6 +94,7 @@ class ModelRunner:
         self.model, self.pool, self.device = model, pool, device
         self.scale = head_dim ** -0.5
         self.sparse = sparse
+        self.producer = None  # the push producer, for streamed prompts (set by the engine)
 
     @torch.inference_mode()
     def run(self, chunks: list[Chunk]) -> torch.Tensor | None:
@@ -75,7 +112,13 @@ class ModelRunner:
                 last_rows.append(t - 1)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.cat(pos).to(self.device)
-        attn = PagedAttention(self.pool, slices, self.scale, self.sparse)
+        stream = None
+        if len(chunks) == 1 and chunks[0].seq.push:
+            c = chunks[0]
+            assert c.start == 0 and c.is_last, "a streamed prompt runs whole, in one step"
+            stream = _Stream(self.pool, self.producer, c.seq.request_id, c.seq.block_ids, c.end,
+                             Scheduler.STREAM_SLOTS)
+        attn = PagedAttention(self.pool, slices, self.scale, self.sparse, stream)
         idx = torch.tensor(last_rows, dtype=torch.long, device=self.device)
         logits = self.model(input_ids, positions, attn, idx)  # [n_last, V]; empty rows are cheap
         return logits if last_rows else None

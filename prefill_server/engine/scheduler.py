@@ -4,6 +4,10 @@ Each step takes up to ``token_budget`` prompt tokens from up to ``max_num_seqs``
 continuing chunks of sequences already running (oldest first), then new sequences admitted FIFO when
 the pool can hold their whole prompt. A prompt longer than the budget is split into chunks over
 several steps; later chunks attend to the earlier chunks' K/V through the pool.
+
+Push (connector mode) sequences stream their KV out layer by layer, so they run as ONE whole-prompt
+chunk in a step of their own, on a few staging blocks (``KVPool.stream_blocks_needed``), once their
+decode has registered (``push_ready``); until then they wait without blocking the queue.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ class Sequence:
     t_first_scheduled: float | None = None
     block_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
+    params: dict | None = None  # push: the kv_transfer_params handed to the decode at submit
 
     @property
     def request_id(self) -> str:
@@ -33,6 +38,10 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.request.prompt_token_ids)
+
+    @property
+    def push(self) -> bool:
+        return self.request.push
 
 
 @dataclass(frozen=True)
@@ -47,24 +56,39 @@ class Chunk:
 
 
 class Scheduler:
-    def __init__(self, pool: KVPool, token_budget: int, max_num_seqs: int, max_queue_wait_s: float):
+    STREAM_SLOTS = 2  # layers of a streamed prompt held at once (one computing, one in flight)
+
+    def __init__(self, pool: KVPool, token_budget: int, max_num_seqs: int, max_queue_wait_s: float,
+                 push_ready=None):
         assert token_budget > 0 and max_num_seqs > 0
         self.pool = pool
+        self.push_ready = push_ready or (lambda rid: True)  # (request id) -> decode registered?
         self.token_budget, self.max_num_seqs = token_budget, max_num_seqs
         self.max_queue_wait_s = max_queue_wait_s
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
-    def check_fits(self, num_tokens: int) -> None:
+    def blocks_for(self, seq_or_n, push: bool = False) -> int:
+        if isinstance(seq_or_n, Sequence):
+            seq_or_n, push = seq_or_n.num_tokens, seq_or_n.push
+        if push:
+            return self.pool.stream_blocks_needed(seq_or_n, self.STREAM_SLOTS)
+        return self.pool.blocks_needed(seq_or_n)
+
+    def check_fits(self, num_tokens: int, push: bool = False) -> None:
         """Reject at once a prompt the pool could never hold."""
-        if self.pool.blocks_needed(num_tokens) > self.pool.num_blocks:
+        if push and self.blocks_for(num_tokens, True) > self.pool.num_blocks:
+            raise PromptTooLong(
+                f"streaming a prompt of {num_tokens} tokens needs {self.blocks_for(num_tokens, True)} "
+                f"staging blocks; the pool has {self.pool.num_blocks}: send a shorter prompt")
+        if not push and self.pool.blocks_needed(num_tokens) > self.pool.num_blocks:
             raise PromptTooLong(
                 f"prompt of {num_tokens} tokens needs {self.pool.blocks_needed(num_tokens)} KV blocks; "
                 f"the pool has {self.pool.num_blocks} blocks of {self.pool.block_size} tokens "
                 f"({self.pool.num_blocks * self.pool.block_size} tokens): send a shorter prompt")
 
     def add(self, seq: Sequence) -> None:
-        self.check_fits(seq.num_tokens)
+        self.check_fits(seq.num_tokens, seq.push)
         self.waiting.append(seq)
 
     @property
@@ -86,20 +110,30 @@ class Scheduler:
             budget -= n
         timed_out: list[Sequence] = []
         now = time.monotonic()
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if seq.push:
+                if not self.push_ready(seq.request_id):
+                    continue  # its decode has not registered yet: let others go first
+                if chunks:
+                    break  # a streamed prompt runs in a step of its own
             try:
-                seq.block_ids = self.pool.allocate(self.pool.blocks_needed(seq.num_tokens))
+                seq.block_ids = self.pool.allocate(self.blocks_for(seq))
             except PoolExhausted:
                 break  # FIFO: wait for leases to end rather than starve long prompts
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.t_first_scheduled = now
             self.running.append(seq)
+            if seq.push:
+                return [Chunk(seq, 0, seq.num_tokens)], timed_out
             n = min(budget, seq.num_tokens)
             chunks.append(Chunk(seq, 0, n))
             budget -= n
-        while self.waiting and now - self.waiting[0].t_submit > self.max_queue_wait_s:
-            timed_out.append(self.waiting.popleft())
+        for seq in list(self.waiting):  # (a push sequence waiting for its decode: see Engine)
+            if now - seq.t_submit > self.max_queue_wait_s and (not seq.push or self.push_ready(seq.request_id)):
+                self.waiting.remove(seq)
+                timed_out.append(seq)
         return chunks, timed_out
 
     def advance(self, chunks: list[Chunk]) -> list[Sequence]:

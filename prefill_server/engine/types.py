@@ -29,6 +29,7 @@ class PrefillRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams = SamplingParams()
+    push: bool = False  # connector mode: stream each layer into the decode's blocks (one step)
 
 
 @dataclass

@@ -1,0 +1,453 @@
+"""Streaming push producer (connector mode): the prefill WRITEs each layer's KV into the decode's
+own blocks as soon as that layer is computed. The decode side is ``kv_transfer.vllm.connector``;
+the messages are ``kv_transfer.wire``.
+
+Per request (``TransferState``)::
+
+    engine.submit(push request) -> expect(rid, n)              EXPECTING
+    decode connector --Register (HMAC)--> side channel         READY   (Ack accepted)
+    engine forward, layer l: K/V into staging pages -> layer_done(rid, l, pages)
+        -> NIXL WRITE pages -> decode blocks, notification "psv1 done rid l"   SENDING
+    engine: wait_layer(rid, l - slots) before reusing a staging slot
+    engine: finish(rid): every WRITE DONE                      RELEASED
+    any time: abort (gateway / engine), Cancel from the decode, a WRITE error, no Register within
+    ``register_timeout_s``: ABORTED / FAILED / EXPIRED; the decode gets "psv1 fail rid reason"
+    whenever it registered and did not get all layers.
+
+Ownership: staging pages belong to the engine (it frees them once ``finish`` or ``abort``
+returns); this producer never frees pool blocks. It guarantees that once ``finish``/``abort``
+returns and once a Cancel is acknowledged, none of the request's WRITEs is still in flight, so
+neither side's blocks can be overwritten after they are reused.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+import zmq
+
+from kv_transfer import wire
+from kv_transfer.base import ProducerStats, StatsCounter, TransferMode, TransferState
+from kv_transfer.nixl import NixlAgent, device_id_of, mem_type_of
+from prefill_server.engine.kv_pool import KVPool
+from prefill_server.errors import InvalidRequest, RequestCancelled, TransferError
+
+log = logging.getLogger(__name__)
+
+PARAMS_KEY = "prefill_server"  # kv_transfer_params[PARAMS_KEY] marks a request for our connector
+
+
+@dataclass
+class _Push:
+    request_id: str
+    num_tokens: int
+    state: TransferState = TransferState.EXPECTING
+    reg: wire.Register | None = None
+    remote: str = ""  # the decode's NIXL agent name
+    handles: dict[int, Any] = field(default_factory=dict)  # layer -> in-flight WRITE
+    layers_written: set[int] = field(default_factory=set)
+    error: str = ""
+    created: float = field(default_factory=time.monotonic)
+    layer_times: list[tuple[int, float, float]] = field(default_factory=list)  # (layer, posted, done)
+    ready: threading.Event = field(default_factory=threading.Event)
+
+
+class PushProducer:
+    """Prefill side of connector mode. ``geometry`` is our pool's (``wire.Geometry``), ``secret``
+    the shared HMAC key; ``host``/``port`` the side channel advertised to (and bound for)
+    decodes."""
+
+    mode = TransferMode.PUSH
+
+    def __init__(self, pool: KVPool, geometry: wire.Geometry, secret: bytes, *,
+                 host: str = "127.0.0.1", port: int = 0, bind_host: str | None = None,
+                 register_timeout_s: float = 60.0, transfer_timeout_s: float = 60.0,
+                 poll_interval_s: float = 0.002, keep_finished: int = 4096):
+        if len(secret) < 16:
+            raise ValueError("the connector secret must have at least 16 bytes")
+        self.pool, self.geometry, self.secret = pool, geometry, secret
+        self.host, self.bind_host, self.port = host, bind_host or host, port
+        self.register_timeout_s, self.transfer_timeout_s = register_timeout_s, transfer_timeout_s
+        self.poll_interval_s = poll_interval_s
+        self.engine_id = f"prefill-push-{uuid.uuid4()}"
+        self._lock = threading.RLock()  # guards _reqs, _finished and every NIXL agent call
+        self._reqs: dict[str, _Push] = {}
+        self._finished: OrderedDict[str, TransferState] = OrderedDict()
+        self._keep_finished = keep_finished
+        self._remotes: dict[str, bytes] = {}  # agent name -> metadata we loaded
+        self._replay = wire.ReplayGuard()
+        self._stats = StatsCounter()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._agent: NixlAgent | None = None
+        self._zmq: Any = None
+        self._sock: Any = None
+        self._started = False
+        self.refused_total = 0
+        # request id -> [(layer, WRITE posted, WRITE seen done)] (monotonic s), last 256 requests
+        self.last_layer_times: OrderedDict[str, list[tuple[int, float, float]]] = OrderedDict()
+
+    # ---- lifecycle ----
+    def start(self) -> None:
+        if self._started:
+            return
+        self._agent = NixlAgent(self.engine_id, progress_thread=False)
+        try:
+            self._agent.register(self.pool.kv)
+            self._zmq = zmq.Context()
+            self._sock = self._zmq.socket(zmq.ROUTER)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            host = f"[{self.bind_host}]" if ":" in self.bind_host else self.bind_host
+            if ":" in self.bind_host:
+                self._sock.setsockopt(zmq.IPV6, 1)
+            if self.port:
+                self._sock.bind(f"tcp://{host}:{self.port}")
+            else:
+                self.port = self._sock.bind_to_random_port(f"tcp://{host}")
+        except Exception:
+            self._close()
+            raise
+        self._stop.clear()
+        self._started = True
+        self._thread = threading.Thread(target=self._serve, name="kv-producer-push", daemon=True)
+        self._thread.start()
+        log.info("push producer %s: side channel %s:%d", self.engine_id, self.host, self.port)
+
+    def stop(self) -> None:
+        if not self._started:
+            return
+        for rid in list(self._reqs):
+            self.abort(rid)
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=10)
+        self._close()
+        self._started = False
+
+    def _close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        if self._zmq is not None:
+            self._zmq.term()
+            self._zmq = None
+        if self._agent is not None:
+            self._agent.close()
+            self._agent = None
+
+    # ---- engine API ----
+    def expect(self, request_id: str, num_tokens: int) -> dict[str, Any]:
+        """Announce a request whose decode will register; returns the ``kv_transfer_params`` the
+        decode request must carry."""
+        if not self._started:
+            raise RuntimeError("PushProducer.expect before start()")
+        if not request_id or " " in request_id or len(request_id) > 200:
+            raise InvalidRequest("request id must be 1-200 characters without spaces", field="request_id")
+        with self._lock:
+            if request_id in self._reqs:
+                raise InvalidRequest(f"request {request_id} is already expected", field="request_id")
+            self._reqs[request_id] = _Push(request_id, num_tokens)
+            self._finished.pop(request_id, None)
+        return {PARAMS_KEY: {"version": wire.PROTOCOL_VERSION, "request_id": request_id,
+                             "host": self.host, "port": self.port, "num_tokens": num_tokens}}
+
+    def is_ready(self, request_id: str) -> bool:
+        with self._lock:
+            p = self._reqs.get(request_id)
+            return p is not None and p.state is TransferState.READY
+
+    def wait_ready(self, request_id: str, timeout_s: float) -> bool:
+        with self._lock:
+            p = self._reqs.get(request_id)
+        return p is not None and p.ready.wait(timeout_s) and self.is_ready(request_id)
+
+    def overdue(self, request_id: str, now: float | None = None) -> str | None:
+        """Why a request still waiting for its decode must fail now, else None."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            p = self._reqs.get(request_id)
+            if p is None:
+                return f"request {request_id} is not expected (aborted?)"
+            if p.state.is_terminal:
+                return p.error or f"transfer {p.state.value}"
+            if p.state is TransferState.EXPECTING and now - p.created > self.register_timeout_s:
+                return (f"no decode registered for request {request_id} within "
+                        f"{self.register_timeout_s:.0f} s: is the decode running our connector?")
+        return None
+
+    def layer_done(self, request_id: str, layer: int, src_pages: Sequence[int],
+                   ready_event: Any = None) -> None:
+        """Layer ``layer`` of the whole prompt sits in pool pages ``src_pages`` (flat indices into
+        ``pool.kv.view(L * NB, ...)``; page i holds tokens [i*N, (i+1)*N)). Start its WRITE.
+        ``ready_event``: a CUDA event the K/V writes recorded (waited on before posting)."""
+        with self._lock:
+            p = self._reqs.get(request_id)
+            if p is None or p.state not in (TransferState.READY, TransferState.SENDING):
+                return  # aborted or failed meanwhile: the engine finds out in finish()
+            reg = p.reg
+        assert reg is not None
+        if ready_event is not None:
+            ready_event.synchronize()
+        g, bs = self.geometry, self.geometry.block_size
+        first = reg.first_token // bs
+        pages = range(first, self.pool.blocks_needed(reg.num_tokens))
+        pb = g.page_bytes
+        base = self.pool.kv.data_ptr()
+        dev = device_id_of(self.pool.kv)
+        src = np.asarray([(base + int(src_pages[i]) * pb, pb, dev) for i in pages], dtype=np.uint64)
+        dst = np.asarray([(reg.layer_addrs[layer] + reg.block_ids[i] * reg.block_stride, pb, reg.device_id)
+                          for i in pages], dtype=np.uint64)
+        t = time.monotonic()
+        with self._lock:
+            if p.state.is_terminal:
+                return
+            try:
+                assert self._agent is not None
+                h = self._agent.post("WRITE", src.reshape(-1, 3), dst.reshape(-1, 3), p.remote,
+                                     mem_type_of(self.pool.kv), reg.mem_type,
+                                     notif=wire.done_notif(request_id, layer))
+            except Exception as e:  # noqa: BLE001
+                self._fail(p, f"WRITE of layer {layer} could not start: {e}")
+                return
+            p.handles[layer] = h
+            p.state = TransferState.SENDING
+            p.layer_times.append((layer, t, 0.0))
+        self._stats.add(bytes_offered_total=len(pages) * pb)
+
+    def wait_layer(self, request_id: str, layer: int) -> None:
+        """Block until layer ``layer``'s WRITE is done (staging slot reuse). Raises on failure."""
+        self._wait(request_id, lambda p: [layer] if layer in p.handles else [])
+
+    def finish(self, request_id: str, timeout_s: float | None = None) -> dict[str, Any]:
+        """Wait for every WRITE of the request; RELEASED. Raises TransferError / RequestCancelled
+        if the transfer failed or was aborted (no WRITE is in flight when it raises)."""
+        self._wait(request_id, lambda p: list(p.handles), timeout_s)
+        with self._lock:
+            p = self._reqs.get(request_id)
+            if p is None:
+                raise RequestCancelled(f"request {request_id} was aborted")
+            if p.state.is_terminal:
+                raise TransferError(p.error or f"transfer {p.state.value}")
+            missing = p.reg.geometry.num_layers - len(p.layers_written) if p.reg else -1
+            if missing:
+                self._fail(p, f"{missing} layer(s) were never written")
+                raise TransferError(p.error)
+            self._end(p, TransferState.RELEASED)
+            times = list(p.layer_times)
+            self.last_layer_times[request_id] = times
+            while len(self.last_layer_times) > 256:
+                self.last_layer_times.popitem(last=False)
+        self._stats.add(released_total=1)
+        return {"layer_times": times}
+
+    def abort(self, request_id: str, reason: str = "aborted by the prefill server") -> bool:
+        """Stop the request: wait for in-flight WRITEs, tell a registered decode it failed."""
+        with self._lock:
+            p = self._reqs.get(request_id)
+            if p is None:
+                return False
+        try:
+            self._wait(request_id, lambda q: list(q.handles), self.transfer_timeout_s, raise_errors=False)
+        finally:
+            with self._lock:
+                if request_id in self._reqs:
+                    self._fail(p, reason, TransferState.ABORTED)
+        self._stats.add(aborted_total=1)
+        return True
+
+    def state(self, request_id: str) -> TransferState | None:
+        with self._lock:
+            p = self._reqs.get(request_id)
+            return p.state if p else self._finished.get(request_id)
+
+    def stats(self) -> ProducerStats:
+        s = self._stats.snapshot()
+        with self._lock:
+            s.active_leases = len(self._reqs)
+        return s
+
+    @property
+    def num_active(self) -> int:
+        with self._lock:
+            return len(self._reqs)
+
+    # ---- internals ----
+    def _wait(self, request_id: str, which, timeout_s: float | None = None, raise_errors: bool = True) -> None:
+        deadline = time.monotonic() + (timeout_s or self.transfer_timeout_s)
+        delay = 0.0002
+        while True:
+            with self._lock:
+                p = self._reqs.get(request_id)
+                if p is None:
+                    if raise_errors:
+                        raise RequestCancelled(f"request {request_id} was aborted")
+                    return
+                pending = [layer for layer in which(p) if layer in p.handles]
+                for layer in pending:
+                    state = self._agent.poll(p.handles[layer])
+                    if state == "PROC":
+                        continue
+                    self._agent.release(p.handles.pop(layer))
+                    lt = [x for x in p.layer_times if x[0] == layer]
+                    if lt:
+                        p.layer_times[p.layer_times.index(lt[-1])] = (layer, lt[-1][1], time.monotonic())
+                    if state == "DONE":
+                        p.layers_written.add(layer)
+                    else:
+                        self._fail(p, f"WRITE of layer {layer} failed: {state}", keep=True)
+                pending = [layer for layer in which(p) if layer in p.handles]
+                if not pending:
+                    if raise_errors and p.state.is_terminal and p.state is not TransferState.RELEASED:
+                        raise TransferError(p.error or f"transfer {p.state.value}")
+                    return
+            if time.monotonic() >= deadline:
+                with self._lock:
+                    self._fail(p, f"WRITEs still in flight after {timeout_s or self.transfer_timeout_s:.0f} s "
+                                  "(decode gone?)", keep=True)
+                    for h in p.handles.values():
+                        self._agent.release(h)
+                    p.handles.clear()
+                if raise_errors:
+                    raise TransferError(p.error)
+                return
+            time.sleep(delay)
+            delay = min(delay * 2, 0.005)
+
+    def _fail(self, p: _Push, reason: str, state: TransferState = TransferState.FAILED,
+              keep: bool = False) -> None:
+        """(lock held) Terminal failure; notify a registered decode. ``keep``: leave the entry so the
+        engine's finish/abort can still see the error (it ends the entry)."""
+        if not p.state.is_terminal:
+            p.error = p.error or reason
+            if p.remote and self._agent is not None:
+                try:
+                    self._agent.send_notif(p.remote, wire.fail_notif(p.request_id, reason))
+                except Exception:  # noqa: BLE001
+                    log.warning("could not tell decode %s that %s failed", p.remote, p.request_id)
+            log.warning("push of %s failed: %s", p.request_id, reason)
+            p.state = state
+            p.ready.set()
+        if not keep and not p.handles:
+            self._end(p, p.state)
+
+    def _end(self, p: _Push, state: TransferState) -> None:
+        p.state = state
+        self._reqs.pop(p.request_id, None)
+        self._finished[p.request_id] = state
+        while len(self._finished) > self._keep_finished:
+            self._finished.popitem(last=False)
+
+    # ---- side channel ----
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                for _ in poller.poll(int(self.poll_interval_s * 1000) or 1):
+                    frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                    if len(frames) == 3 and frames[1] == b"":  # from a REQ socket
+                        self._answer(frames[0], frames[2])
+                    else:
+                        log.warning("side channel: ignored a %d-frame message", len(frames))
+                with self._lock:
+                    if self._agent is not None:
+                        self._agent.get_notifs()  # drives UCX progress; decodes send us none
+            except Exception:  # noqa: BLE001 - one bad message never stops the service
+                log.exception("push side channel error")
+                self._stop.wait(0.05)
+
+    def _reply(self, identity: bytes, ack: wire.Ack) -> None:
+        self._sock.send_multipart((identity, b"", wire.encode(wire.sign(self.secret, ack))))
+
+    def _refuse(self, identity: bytes, request_id: str, nonce: bytes, error: str, signed: bool) -> None:
+        self.refused_total += 1
+        ack = wire.Ack(version=wire.PROTOCOL_VERSION, request_id=request_id, accepted=False,
+                       error=error, nonce=nonce)
+        if signed:
+            self._reply(identity, ack)
+        else:  # a stranger: an unsigned refusal and nothing else
+            self._sock.send_multipart((identity, b"", wire.encode(ack)))
+
+    def _answer(self, identity: bytes, body: bytes) -> None:
+        try:
+            msg = wire.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            self._refuse(identity, "", b"", f"malformed message: {e}", signed=False)
+            return
+        if isinstance(msg, wire.Ack) or not wire.verify(self.secret, msg):
+            log.warning("side channel: refused a message that failed authentication")
+            self._refuse(identity, "", b"", "authentication failed", signed=False)
+            return
+        if msg.version != wire.PROTOCOL_VERSION:
+            self._refuse(identity, msg.request_id, msg.nonce,
+                         f"protocol version {msg.version} not supported (this server speaks "
+                         f"{wire.PROTOCOL_VERSION}); upgrade the side that is behind", signed=True)
+            return
+        if why := self._replay.check(msg.nonce, msg.timestamp):
+            self._refuse(identity, msg.request_id, msg.nonce, why, signed=True)
+            return
+        if isinstance(msg, wire.Cancel):
+            self._cancel(identity, msg)
+        else:
+            self._register(identity, msg)
+
+    def _cancel(self, identity: bytes, msg: wire.Cancel) -> None:
+        # Called on the service thread: mark it so layer_done posts nothing more, then wait for
+        # the in-flight WRITEs (bounded by transfer_timeout_s) before acknowledging.
+        with self._lock:
+            p = self._reqs.get(msg.request_id)
+            if p is not None and not p.state.is_terminal:
+                p.error = "cancelled by the decode"
+                p.state = TransferState.ABORTED
+                p.ready.set()
+        if p is not None:
+            self._wait(msg.request_id, lambda q: list(q.handles), raise_errors=False)
+        self._reply(identity, wire.Ack(version=wire.PROTOCOL_VERSION, request_id=msg.request_id,
+                                       accepted=True, nonce=msg.nonce))
+
+    def _register(self, identity: bytes, reg: wire.Register) -> None:
+        def refuse(error: str) -> None:
+            self._refuse(identity, reg.request_id, reg.nonce, error, signed=True)
+
+        if diffs := self.geometry.mismatches(reg.geometry):
+            return refuse("incompatible KV layout: " + "; ".join(diffs))
+        g = reg.geometry
+        needed = self.pool.blocks_needed(reg.num_tokens)
+        if len(reg.layer_addrs) != g.num_layers:
+            return refuse(f"{len(reg.layer_addrs)} layer addresses for {g.num_layers} layers")
+        if len(reg.block_ids) < needed or not 0 <= reg.first_token < reg.num_tokens:
+            return refuse(f"{reg.num_tokens} tokens need {needed} destination blocks, got "
+                          f"{len(reg.block_ids)} (first token {reg.first_token})")
+        if reg.block_stride < g.page_bytes or reg.mem_type not in ("DRAM", "VRAM"):
+            return refuse("bad destination: block stride smaller than a page, or unknown memory type")
+        with self._lock:
+            p = self._reqs.get(reg.request_id)
+            if p is None or p.state is not TransferState.EXPECTING:
+                return refuse(f"request {reg.request_id} is not waiting for a decode here "
+                              "(unknown, finished or already registered)")
+            if reg.num_tokens != p.num_tokens:
+                return refuse(f"the decode has {reg.num_tokens} prompt tokens, the prefill "
+                              f"{p.num_tokens}: send the decode the same token ids")
+            try:
+                if self._remotes.get(reg.agent_name) != reg.agent_metadata:
+                    if reg.agent_name in self._remotes:
+                        self._agent.remove_remote(reg.agent_name)
+                    p.remote = self._agent.add_remote(reg.agent_metadata)
+                    self._remotes[p.remote] = reg.agent_metadata
+                else:
+                    p.remote = reg.agent_name
+            except Exception as e:  # noqa: BLE001
+                return refuse(f"could not load the decode's NIXL metadata: {e}")
+            p.reg, p.state = reg, TransferState.READY
+            p.ready.set()
+        self._stats.add(handshakes_total=1)
+        self._reply(identity, wire.Ack(version=wire.PROTOCOL_VERSION, request_id=reg.request_id,
+                                       accepted=True, nonce=reg.nonce))

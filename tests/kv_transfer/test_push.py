@@ -1,0 +1,246 @@
+"""Connector mode without vLLM: the real engine (embedded SmolLM2, fp32) streams each layer into a
+``PushReceiver`` (the decode-side transport our vLLM connector wraps) over NIXL/UCX on DRAM.
+The vLLM end of it is covered in tests/e2e/test_connector_pipeline.py."""
+from __future__ import annotations
+
+import time
+
+import msgspec
+import pytest
+import torch
+import zmq
+
+from kv_transfer import wire
+from kv_transfer.push import PARAMS_KEY, PushProducer
+from kv_transfer.receiver import PushReceiver
+from prefill_server.config import EngineConfig
+from prefill_server.engine import build
+from prefill_server.engine.engine import Engine
+from prefill_server.engine.types import PrefillRequest
+from prefill_server.errors import PromptTooLong, TransferError
+from prefill_server.models.reference_attention import CausalAttention
+
+SECRET = b"test-secret-0123456789"
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return build.load(EngineConfig(dtype="float32"))
+
+
+def geometry(loaded, block_size=BS):
+    c = loaded.config
+    return wire.Geometry(model_fingerprint=wire.fingerprint_of_dir(loaded.path), num_layers=c.num_layers,
+                         num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, block_size=block_size,
+                         dtype="float32")
+
+
+class Setup:
+    def __init__(self, loaded, num_blocks=64, register_timeout_s=60.0, transfer_timeout_s=20.0):
+        cfg = EngineConfig(dtype="float32", num_kv_blocks=num_blocks, block_size=BS, token_budget=4096)
+        self.pool = build.make_pool(cfg, loaded)
+        self.producer = PushProducer(self.pool, geometry(loaded), SECRET, register_timeout_s=register_timeout_s,
+                                     transfer_timeout_s=transfer_timeout_s)
+        c = loaded.config
+        self.engine = Engine(build.make_runner(loaded, self.pool), self.pool, self.producer,
+                             max_model_len=c.max_position_embeddings, vocab_size=c.vocab_size,
+                             token_budget=4096, max_num_seqs=8, max_queue_wait_s=60)
+        self.engine.start()
+        # the "decode": 128 blocks per layer, its own memory
+        self.caches = [torch.zeros(128, c.num_kv_heads, BS, 2 * c.head_dim) for _ in range(c.num_layers)]
+        self.receiver = PushReceiver(self.caches, geometry(loaded), SECRET, timeout_s=20)
+
+    def close(self):
+        self.engine.stop()
+        self.receiver.close()
+
+    def run(self, rid, ids, block_ids, first_token=0, receiver=None):
+        receiver = receiver or self.receiver
+        fut, params = self.engine.submit_push(PrefillRequest(rid, tuple(ids), push=True))
+        p = params[PARAMS_KEY]
+        receiver.register(p["host"], p["port"], rid, block_ids, first_token, len(ids))
+        return fut
+
+    def wait(self, rid, timeout=60.0, receiver=None):
+        receiver = receiver or self.receiver
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            r = receiver.poll()
+            if rid in r.done:
+                return "done"
+            if rid in r.failed:
+                return r.failed[rid]
+            time.sleep(0.01)
+        return "timeout"
+
+
+@pytest.fixture()
+def setup(loaded):
+    s = Setup(loaded)
+    yield s
+    s.close()
+
+
+def reference_kv(loaded, ids):
+    attn = CausalAttention.single(len(ids), record=True)
+    logits = loaded.model(torch.tensor(ids), torch.arange(len(ids)), attn, torch.tensor([len(ids) - 1]))
+    return logits[0], attn
+
+
+def received(caches, layer, block_ids, n):
+    pages = caches[layer][torch.tensor(block_ids[: -(-n // BS)])]  # [b, H, N, 2D]
+    flat = pages.permute(0, 2, 1, 3).reshape(-1, pages.shape[1], pages.shape[3])[:n]
+    d = flat.shape[-1] // 2
+    return flat[..., :d], flat[..., d:]
+
+
+def test_streamed_kv_equals_a_plain_forward_and_frees_everything(setup, loaded):
+    ids = loaded.tokenizer.encode("Streaming each layer into the decode's blocks. " * 12)
+    blocks = list(range(100, 100 - -(-len(ids) // BS), -1))  # any order, the decode's ids
+    fut = setup.run("s1", ids, blocks)
+    assert setup.wait("s1") == "done"
+    res = fut.result(timeout=60)
+    ref_logits, attn = reference_kv(loaded, ids)
+    assert res.first_token_id == int(torch.argmax(ref_logits))
+    for layer in range(loaded.config.num_layers):
+        k, v = received(setup.caches, layer, blocks, len(ids))
+        torch.testing.assert_close(k, attn.keys[layer], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(v, attn.values[layer], rtol=1e-4, atol=1e-4)
+    assert setup.pool.num_used == 0 and setup.producer.num_active == 0
+
+
+def test_layers_are_written_while_later_layers_compute(setup, loaded):
+    ids = loaded.tokenizer.encode("Layer by layer. " * 60)
+    setup.run("t1", ids, list(range(-(-len(ids) // BS))))
+    assert setup.wait("t1") == "done"
+    # finish() returned the per-layer (layer, WRITE posted, WRITE seen done) monotonic times
+    times = sorted(setup.producer.last_layer_times["t1"])
+    L = loaded.config.num_layers
+    assert [t[0] for t in times] == list(range(L))
+    posted = {layer: p for layer, p, _ in times}
+    done = {layer: d for layer, _, d in times}
+    # layer 0's KV was on the decode before the last layer's K/V had even been computed
+    assert done[0] < posted[L - 1]
+    # and every slot was free again (its WRITE done) before the layer two later reused it
+    assert all(done[i] <= posted[i + 2] for i in range(L - 2))
+
+
+def test_prompt_larger_than_the_pool_streams_in_bounded_memory(loaded):
+    s = Setup(loaded, num_blocks=8)  # the pool holds 8 x 16 = 128 tokens of whole-prompt KV
+    try:
+        ids = loaded.tokenizer.encode("A prompt much larger than the prefill's KV pool. " * 40)
+        assert len(ids) > 3 * 128
+        with pytest.raises(PromptTooLong):  # pull mode would need the whole prompt resident
+            s.engine.scheduler.check_fits(len(ids), push=False)
+        peak = []
+        orig = s.pool.allocate
+        s.pool.allocate = lambda n: (peak.append(n), orig(n))[1]
+        blocks = list(range(-(-len(ids) // BS)))
+        s.run("big", ids, blocks)
+        assert s.wait("big") == "done"
+        _, attn = reference_kv(loaded, ids)
+        k, v = received(s.caches, loaded.config.num_layers - 1, blocks, len(ids))
+        torch.testing.assert_close(k, attn.keys[loaded.config.num_layers - 1], rtol=1e-4, atol=1e-4)
+        assert peak == [s.pool.stream_blocks_needed(len(ids), 2)] and peak[0] <= 8
+        assert s.pool.num_used == 0
+    finally:
+        s.close()
+
+
+def test_a_peer_without_the_secret_is_refused(setup, loaded):
+    ids = loaded.tokenizer.encode("Who are you?")
+    stranger = PushReceiver(setup.caches, geometry(loaded), b"not-the-secret-xxxxxxxx", timeout_s=5)
+    try:
+        fut = setup.run("x1", ids, [0], receiver=stranger)
+        reason = setup.wait("x1", receiver=stranger)
+        assert "authentication failed" in reason
+        assert setup.producer.refused_total >= 1
+        # a raw stranger gets a refusal and nothing else (no metadata, no addresses)
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.RCVTIMEO, 5000)
+        sock.connect(f"tcp://127.0.0.1:{setup.producer.port}")
+        sock.send(b"\x93hello")
+        ack = wire.decode(sock.recv())
+        assert isinstance(ack, wire.Ack) and not ack.accepted and ack.mac == b"" and ack.request_id == ""
+        sock.close(linger=0)
+        ctx.term()
+        # the request is still expected: the real decode can register it
+        setup.receiver.register("127.0.0.1", setup.producer.port, "x1", [3], 0, len(ids))
+        assert setup.wait("x1") == "done"
+        fut.result(timeout=30)
+    finally:
+        stranger.close()
+    assert setup.pool.num_used == 0
+
+
+def test_replayed_register_is_refused(setup, loaded):
+    ids = loaded.tokenizer.encode("Replay.")
+    setup.engine.submit_push(PrefillRequest("rp", tuple(ids), push=True))
+    reg = wire.Register(version=1, request_id="rp", engine_id="e", agent_name="e", agent_metadata=b"",
+                        geometry=geometry(loaded), mem_type="DRAM", device_id=0, layer_addrs=[0],
+                        block_stride=1, block_ids=[0], first_token=0, num_tokens=len(ids),
+                        nonce=wire.new_nonce(), timestamp=time.time())
+    reg = wire.sign(SECRET, reg)
+    ctx = zmq.Context()
+    answers = []
+    for _ in range(2):
+        sock = ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.RCVTIMEO, 5000)
+        sock.connect(f"tcp://127.0.0.1:{setup.producer.port}")
+        sock.send(wire.encode(reg))
+        answers.append(wire.decode(sock.recv()))
+        sock.close(linger=0)
+    ctx.term()
+    assert "layer addresses" in answers[0].error  # signed, then checked: a bad destination
+    assert "replay" in answers[1].error
+    assert setup.engine.abort("rp")
+
+
+def test_incompatible_geometry_is_refused_with_what_differs(setup, loaded):
+    ids = loaded.tokenizer.encode("Geometry.")
+    g = msgspec.structs.replace(geometry(loaded), block_size=32)
+    caches = [torch.zeros(4, loaded.config.num_kv_heads, 32, 2 * loaded.config.head_dim)
+              for _ in range(loaded.config.num_layers)]
+    other = PushReceiver(caches, g, SECRET, timeout_s=5)
+    try:
+        fut = setup.run("g1", ids, [0], receiver=other)
+        reason = setup.wait("g1", receiver=other)
+        assert "block_size: prefill 16, decode 32" in reason
+        assert setup.engine.abort("g1")
+        with pytest.raises(Exception):
+            fut.result(timeout=10)
+    finally:
+        other.close()
+    assert setup.pool.num_used == 0
+
+
+def test_no_decode_registers_fails_cleanly(loaded):
+    s = Setup(loaded, register_timeout_s=0.5)
+    try:
+        fut, _ = s.engine.submit_push(PrefillRequest("lonely", (1, 2, 3), push=True))
+        with pytest.raises(TransferError, match="no decode registered"):
+            fut.result(timeout=30)
+        assert s.pool.num_used == 0 and s.producer.num_active == 0
+    finally:
+        s.close()
+
+
+def test_prefill_abort_mid_transfer_tells_the_decode(setup, loaded):
+    ids = loaded.tokenizer.encode("Abort me. " * 200)
+    fut = setup.run("ab", ids, list(range(-(-len(ids) // BS))))
+    deadline = time.monotonic() + 30
+    while not setup.producer.is_ready("ab") and time.monotonic() < deadline:
+        time.sleep(0.005)
+    setup.engine.abort("ab")
+    reason = setup.wait("ab")
+    assert reason == "done" or "prefill server failed" in reason  # a tiny model may just finish
+    deadline = time.monotonic() + 30
+    while setup.pool.num_used and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert setup.pool.num_used == 0 and setup.producer.num_active == 0
+    with pytest.raises(Exception):
+        if reason == "done":
+            raise RuntimeError("finished before the abort")
+        fut.result(timeout=10)
