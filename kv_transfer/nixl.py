@@ -218,8 +218,12 @@ class NixlAgent:
         return handle
 
     def poll(self, handle: Any) -> str:
-        """"PROC" (in flight), "DONE", or an error state."""
-        return self._agent.check_xfer_state(handle)
+        """"PROC" (in flight), "DONE", or an error state ("ERR: ..."; NIXL raises for some,
+        e.g. NIXL_ERR_REMOTE_DISCONNECT when the peer died)."""
+        try:
+            return self._agent.check_xfer_state(handle)
+        except Exception as e:  # noqa: BLE001
+            return f"ERR: {type(e).__name__}: {e}"
 
     def release(self, handle: Any) -> None:
         try:

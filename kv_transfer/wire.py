@@ -40,19 +40,24 @@ NOTIF_PREFIX = b"psv1"
 # vLLM's LBHNC page, which is also our pool's page. The only layout both ends speak today.
 PLAIN_PAGE = "HNC"
 
-# config.json fields that decide what K/V a model computes (not weights: see the module doc)
-_FINGERPRINT_KEYS = ("architectures", "model_type", "hidden_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-                     "vocab_size", "rope_theta", "rope_scaling", "rms_norm_eps", "attention_bias",
-                     "max_position_embeddings", "tie_word_embeddings")
-
-
+# config.json fields that decide the shapes of the K/V a model computes. Defaults are filled in
+# the way transformers does, so a raw config.json (the prefill) and vLLM's parsed hf_config (the
+# decode) agree. Weights are not hashed (too costly per start): serve the same checkpoint.
 def model_fingerprint(hf_config: dict[str, Any]) -> str:
     """sha256 (16 hex) over the architecture fields of a Hugging Face config dict."""
-    picked = {k: hf_config.get(k) for k in _FINGERPRINT_KEYS}
-    if isinstance(picked["architectures"], (list, tuple)):
-        picked["architectures"] = list(picked["architectures"])
-    return hashlib.sha256(json.dumps(picked, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    c = hf_config
+    heads = c.get("num_attention_heads")
+    picked = {
+        "model_type": c.get("model_type"),
+        "hidden_size": c.get("hidden_size"),
+        "num_hidden_layers": c.get("num_hidden_layers"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": c.get("num_key_value_heads") or heads,
+        "head_dim": c.get("head_dim") or (c["hidden_size"] // heads if heads else None),
+        "intermediate_size": c.get("intermediate_size"),
+        "vocab_size": c.get("vocab_size"),
+    }
+    return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def fingerprint_of_dir(model_dir: str) -> str:

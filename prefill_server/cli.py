@@ -22,7 +22,8 @@ def _serve_parser(sub) -> None:
                    help="base URL of the decode instance (vLLM OpenAI server), e.g. http://127.0.0.1:8100")
     p.add_argument("--transfer-mode", default=s.transfer_mode, choices=TRANSFER_MODES,
                    help="nixl-compat: act as a stock vLLM NixlConnector producer (decode pulls); "
-                        "connector: our own vLLM connector (streaming push; not yet available); "
+                        "connector: our own vLLM connector, kv_transfer.vllm.connector (streaming push, "
+                        "authenticated; see vllm-config); "
                         "local: no decode, answer with the first token and hold KV under a lease")
     p.add_argument("--served-model-name", default=None,
                    help="model id clients send; default: the decode's model id (local mode: the folder)")
@@ -50,9 +51,14 @@ def _serve_parser(sub) -> None:
     p.add_argument("--lease-ttl", type=float, default=d.lease_ttl_s,
                    help="seconds finished KV is held for the decode (heartbeats extend it)")
     p.add_argument("--side-channel-host", default=s.side_channel_host,
-                   help="address the decode reaches for the NIXL handshake (nixl-compat)")
+                   help="address the decode reaches for the NIXL handshake / registration")
     p.add_argument("--side-channel-port", type=int, default=s.side_channel_port,
                    help="NIXL handshake port (0 = any free port)")
+    p.add_argument("--secret-file", default=None,
+                   help="connector mode: file holding the secret shared with the decodes' connector "
+                        "(>= 16 characters); default: the PREFILL_SERVER_SECRET environment variable")
+    p.add_argument("--register-timeout", type=float, default=s.register_timeout_s,
+                   help="connector mode: seconds a request waits for its decode to register before failing")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* and (as metadata) on gRPC prefill calls")
     p.add_argument("--grpc-port", type=int, default=None,
@@ -70,7 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     _serve_parser(sub)
     vc = sub.add_parser("vllm-config", help="print the --kv-transfer-config JSON a vLLM decode needs")
     vc.add_argument("--transfer-mode", default="nixl-compat", choices=[m for m in TRANSFER_MODES if m != "local"])
-    vc.add_argument("--server", default=None, help="this server's URL (for connector mode)")
+    vc.add_argument("--server", default=None, help="unused; kept for scripts (the gateway tells the "
+                    "decode where the prefill is, per request)")
+    vc.add_argument("--secret-file", default=None,
+                    help="connector mode: path of the shared secret file on the decode's machine "
+                         "(default: the decode reads PREFILL_SERVER_SECRET from its environment)")
     cm = sub.add_parser("convert-model", help="convert the embedded SmolLM2 GGUF into a cached HF folder")
     cm.add_argument("--force", action="store_true", help="convert again even if cached")
     dm = sub.add_parser("demo", help="run the whole pipeline locally: a vLLM decode + this server")
@@ -103,8 +113,9 @@ def _vllm_config(args) -> int:
     if args.transfer_mode == "nixl-compat":
         print(json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}))
         return 0
-    print("error: --transfer-mode connector is not available yet; use nixl-compat", file=sys.stderr)
-    return 2
+    from prefill_server.connector_config import vllm_connector_config
+    print(json.dumps(vllm_connector_config(args.secret_file)))
+    return 0
 
 
 def _serve(args) -> int:
@@ -119,7 +130,8 @@ def _serve(args) -> int:
                         side_channel_port=args.side_channel_port, served_model_name=args.served_model_name,
                         api_key=args.api_key, decode_attn_backend=args.decode_attn_backend,
                         grpc_port=args.grpc_port, grpc_tls_cert=args.grpc_tls_cert,
-                        grpc_tls_key=args.grpc_tls_key, grpc_tls_client_ca=args.grpc_tls_client_ca)
+                        grpc_tls_key=args.grpc_tls_key, grpc_tls_client_ca=args.grpc_tls_client_ca,
+                        secret_file=args.secret_file, register_timeout_s=args.register_timeout)
     try:
         ecfg.validate()
         scfg.validate()

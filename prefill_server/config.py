@@ -51,13 +51,15 @@ class ServerConfig:
     grpc_tls_client_ca: str | None = None  # PEM; require client certificates it signed (mutual TLS)
     decode_timeout_s: float = 600.0
     decode_attn_backend: str | None = None  # the decode's attention backend (nixl-compat hash)
+    secret_file: str | None = None  # connector mode: file with the shared HMAC secret (else env)
+    register_timeout_s: float = 60.0  # connector mode: wait this long for the decode to register
 
     def validate(self) -> None:
         if self.transfer_mode not in TRANSFER_MODES:
             raise ValueError(f"--transfer-mode must be one of {', '.join(TRANSFER_MODES)}, "
                              f"not {self.transfer_mode!r}")
-        if self.transfer_mode == "connector":
-            raise ValueError("--transfer-mode connector is not available yet; use nixl-compat")
+        if self.register_timeout_s <= 0:
+            raise ValueError("--register-timeout must be positive")
         if self.transfer_mode != "local" and not self.decode_url:
             raise ValueError(f"--transfer-mode {self.transfer_mode} needs --decode-url")
         if not (0 <= self.port < 65536 and 0 <= self.side_channel_port < 65536):

@@ -25,5 +25,10 @@ if [ "${SKIP_VLLM:-0}" != "1" ]; then
     .venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
     .venv-vllm/bin/python -m pip install -q --no-deps "nixl-cu12==1.5.1" "nixl==1.5.1"
   fi
+  # Our connector (kv_transfer.vllm.connector) beside vLLM, for --transfer-mode connector: only the
+  # package itself; vLLM's venv already has what it imports (torch, msgspec, pyzmq, nixl).
+  if ! .venv-vllm/bin/python -c "import kv_transfer.vllm.connector" 2>/dev/null; then
+    .venv-vllm/bin/python -m pip install -q --no-deps -e .
+  fi
 fi
 echo "setup done: .venv (server) and .venv-vllm (decode)"

@@ -95,6 +95,10 @@ class Engine:
         if req.push and not self.supports_push:
             raise InvalidRequest("this server's transfer mode does not stream KV (push); start it "
                                  "with --transfer-mode connector", field="transfer_mode")
+        if not req.push and not hasattr(self.producer, "publish"):
+            raise InvalidRequest("this server runs in connector mode (streaming push): a prefill must "
+                                 "come with its decode request (HTTP gateway), not on its own",
+                                 field="transfer_mode")
         self.scheduler.check_fits(n, req.push)
 
     def submit(self, req: PrefillRequest) -> Future:
@@ -202,7 +206,10 @@ class Engine:
 
     def _fail(self, seq: Sequence, err: BaseException, locked: bool = False) -> None:
         if seq.push:  # no WRITE may still read the staging blocks when they are freed
-            self.producer.abort(seq.request_id, f"prefill failed: {err}")
+            try:
+                self.producer.abort(seq.request_id, f"prefill failed: {err}")
+            except Exception:  # noqa: BLE001 - the producer bounds its waits; never stop the loop
+                log.exception("push abort of %s failed", seq.request_id)
         if locked:
             self.scheduler.remove(seq)
         else:

@@ -5,6 +5,7 @@ POST /v1/completions and /v1/chat/completions (stream and non-stream), GET /v1/m
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -14,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from prefill_server.engine.types import PrefillResult, SamplingParams
-from prefill_server.errors import DecodeUnavailable, InvalidRequest, PrefillError, Unauthenticated
+from prefill_server.errors import InvalidRequest, PrefillError, Unauthenticated
 from prefill_server.serving import openai_schema as schema
 from prefill_server.serving.proxy import DecodeClient
 from prefill_server.serving.service import PrefillService
@@ -99,13 +100,29 @@ def create_app(service: PrefillService, decode: DecodeClient | None, api_key: st
     async def run(request: Request, path: str, out: dict, token_ids: list[int], sampling: SamplingParams,
                   stream: bool) -> Response:
         t0 = time.monotonic()
+        if service.transfer_mode == "connector":
+            return await run_push(path, out, token_ids, sampling, stream, t0)
         result = await service.prefill(token_ids, sampling)
         if decode is None:  # transfer mode "local": answer with the first token only
             service.release(result.request_id)
             return JSONResponse(_local_answer(service, path, result))
-        out["kv_transfer_params"] = result.kv_transfer_params
+        return await to_decode(path, out, result.request_id, result.kv_transfer_params, len(token_ids),
+                               stream, t0)
+
+    async def run_push(path: str, out: dict, token_ids: list[int], sampling: SamplingParams, stream: bool,
+                       t0: float) -> Response:
+        """Connector mode: decode and prefill at once; the decode's connector registers its blocks
+        with the prefill, which WRITEs each layer as it is computed; the decode answers."""
+        rid, params, prefill = service.start_push(token_ids, sampling)
+        prefill.add_done_callback(_consume)
+        return await to_decode(path, out, rid, params, len(token_ids), stream, t0, prefill)
+
+    async def to_decode(path: str, out: dict, rid: str, params: dict, n_tokens: int, stream: bool,
+                        t0: float, prefill: asyncio.Future | None = None) -> Response:
+        """Send the request to the decode with kv_transfer_params and relay its answer. Whenever
+        the decode will not use our KV (unreachable, refused, client gone), free it at once."""
+        out["kv_transfer_params"] = params
         out.setdefault("model", service.info.served_name)
-        rid = result.request_id
         try:
             if stream:
                 resp = await decode.open_stream(path, out)
@@ -117,18 +134,28 @@ def create_app(service: PrefillService, decode: DecodeClient | None, api_key: st
                 metrics.e2e_time.observe(time.monotonic() - t0)
                 return StreamingResponse(decode.relay(resp), media_type="text/event-stream")
             resp = await decode.post(path, out)
-        except DecodeUnavailable:
+        except BaseException:  # unreachable decode, client gone
             service.release(rid)
             metrics.kv_failed.inc()
             raise
-        if resp.status_code >= 400:  # the decode refused: it will never read our KV
+        if resp.status_code >= 400:  # the decode refused or failed: it will not use our KV
             service.release(rid)
             metrics.kv_failed.inc()
+            if prefill is not None:  # connector mode: the prefill's reason says more than a 500
+                await asyncio.wait([prefill], timeout=2.0)
+                if prefill.done() and not prefill.cancelled() and prefill.exception() is not None:
+                    raise prefill.exception()
         metrics.e2e_time.observe(time.monotonic() - t0)
-        _check_prompt_tokens(resp, len(token_ids), rid)
+        _check_prompt_tokens(resp, n_tokens, rid)
         return Response(resp.content, resp.status_code, media_type="application/json")
 
     return app
+
+
+def _consume(fut) -> None:
+    """Retrieve a background prefill's exception so asyncio does not log it as unhandled."""
+    if not fut.cancelled() and fut.exception() is not None:
+        log.info("streamed prefill ended with %s", type(fut.exception()).__name__)
 
 
 def _check_prompt_tokens(resp, n: int, rid: str) -> None:

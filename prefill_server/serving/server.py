@@ -5,6 +5,7 @@ import asyncio
 import logging
 import socket
 import sys
+from dataclasses import dataclass
 
 import uvicorn
 
@@ -28,9 +29,23 @@ def build_service(ecfg: EngineConfig, scfg: ServerConfig) -> PrefillService:
 
         decode_info = discover_decode(scfg.decode_url, attn_backend_name=scfg.decode_attn_backend,
                                       timeout_s=30.0)
+    elif scfg.transfer_mode == "connector":
+        decode_info = probe_decode(scfg.decode_url)
     block_size = ecfg.block_size or (decode_info.block_size if decode_info else None)
     pool = build.make_pool(ecfg, m, block_size)
-    if decode_info is None:
+    if scfg.transfer_mode == "connector":
+        from kv_transfer import wire
+        from kv_transfer.push import PushProducer
+
+        geometry = wire.Geometry(model_fingerprint=wire.fingerprint_of_dir(m.path),
+                                 num_layers=pool.num_layers, num_kv_heads=pool.num_kv_heads,
+                                 head_dim=pool.head_dim, block_size=pool.block_size,
+                                 dtype=str(pool.dtype).removeprefix("torch."))
+        producer = PushProducer(pool, geometry, wire.load_secret(secret_file=scfg.secret_file),
+                                host=scfg.side_channel_host, port=scfg.side_channel_port,
+                                register_timeout_s=scfg.register_timeout_s)
+        served = scfg.served_model_name or decode_info.served_model_name
+    elif decode_info is None:
         producer, served = LocalProducer(pool, ecfg.lease_ttl_s), scfg.served_model_name or m.path
     else:
         from kv_transfer.vllm.v0_32 import NixlCompatProducer
@@ -46,6 +61,36 @@ def build_service(ecfg: EngineConfig, scfg: ServerConfig) -> PrefillService:
     info = ModelInfo(served, m.path, c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size,
                      c.max_position_embeddings, str(m.dtype).removeprefix("torch."), pool.block_size)
     return PrefillService(engine, m.tokenizer, info, scfg.transfer_mode)
+
+
+@dataclass(frozen=True)
+class ProbedDecode:
+    served_model_name: str
+    block_size: int | None
+
+
+def probe_decode(url: str, timeout_s: float = 30.0) -> ProbedDecode:
+    """Connector mode needs no vLLM-version facts: the decode's model id and, when its /metrics
+    shows it, its KV block size (our pool must use the same; its connector checks it)."""
+    import re
+
+    import httpx
+
+    from prefill_server.errors import DecodeUnavailable
+
+    base = url.rstrip("/")
+    try:
+        with httpx.Client(timeout=timeout_s) as http:
+            models = http.get(f"{base}/v1/models").raise_for_status().json()["data"]
+            metrics = http.get(f"{base}/metrics")
+    except (httpx.HTTPError, KeyError, ValueError) as e:
+        raise DecodeUnavailable(f"cannot query the decode at {base}/v1/models ({e}); check --decode-url "
+                                "and that the decode is up") from None
+    if not models:
+        raise DecodeUnavailable(f"the decode at {base} serves no model")
+    hit = re.search(r'vllm:cache_config_info\{[^}]*block_size="(\d+)"', metrics.text) \
+        if metrics.status_code == 200 else None
+    return ProbedDecode(str(models[0]["id"]), int(hit.group(1)) if hit else None)
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -57,5 +57,14 @@ class PrefillService:
             self.engine.abort(rid)
             raise
 
+    def start_push(self, token_ids: list[int], sampling: SamplingParams = SamplingParams(),
+                   request_id: str | None = None) -> tuple[str, dict, asyncio.Future]:
+        """Connector mode: queue a streamed prefill; returns (request id, kv_transfer_params for
+        the decode, a future of the PrefillResult). Send the decode its request at once: the
+        prefill starts when the decode's connector registers its blocks."""
+        rid = request_id or f"pf-{uuid.uuid4().hex}"
+        fut, params = self.engine.submit_push(PrefillRequest(rid, tuple(token_ids), sampling, push=True))
+        return rid, params, asyncio.wrap_future(fut)
+
     def release(self, request_id: str) -> bool:
         return self.engine.abort(request_id)

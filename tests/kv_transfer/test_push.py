@@ -11,6 +11,7 @@ import torch
 import zmq
 
 from kv_transfer import wire
+from kv_transfer.base import TransferState
 from kv_transfer.push import PARAMS_KEY, PushProducer
 from kv_transfer.receiver import PushReceiver
 from prefill_server.config import EngineConfig
@@ -244,3 +245,48 @@ def test_prefill_abort_mid_transfer_tells_the_decode(setup, loaded):
         if reason == "done":
             raise RuntimeError("finished before the abort")
         fut.result(timeout=10)
+
+
+def test_decode_killed_mid_transfer_frees_the_prefill_blocks(loaded):
+    """The receiving process is SIGKILLed while layers stream to it: the prefill's WRITEs fail or
+    time out, the request fails, and every staging block is back within the transfer timeout."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    s = Setup(loaded, transfer_timeout_s=10.0)
+    proc = None
+    try:
+        ids = loaded.tokenizer.encode("The decode dies while this streams. " * 300)
+        fut, params = s.engine.submit_push(PrefillRequest("dead", tuple(ids), push=True))
+        p = params[PARAMS_KEY]
+        arg = {"geometry": msgspec.to_builtins(geometry(loaded)), "secret": SECRET.decode(),
+               "host": p["host"], "port": p["port"], "request_id": "dead", "num_tokens": len(ids),
+               "num_blocks": -(-len(ids) // BS)}
+        here = os.path.dirname(__file__)
+        proc = subprocess.Popen([sys.executable, os.path.join(here, "receiver_proc.py"), json.dumps(arg)],
+                                stdout=subprocess.PIPE, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while s.producer.state("dead") is not TransferState.SENDING and time.monotonic() < deadline:
+            time.sleep(0.002)  # registered, and the first layers are on their way
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        t_kill = time.monotonic()
+        try:
+            fut.result(timeout=60)
+            outcome = "finished"  # every WRITE had already landed: also no leak
+        except Exception as e:  # noqa: BLE001
+            outcome = type(e).__name__
+        while s.pool.num_used and time.monotonic() - t_kill < 30:
+            time.sleep(0.05)
+        assert s.pool.num_used == 0 and s.producer.num_active == 0, outcome
+        assert time.monotonic() - t_kill < 10.0 + 5.0
+        # and the server keeps serving
+        s.run("after", ids[:50], list(range(4)))
+        assert s.wait("after") == "done"
+    finally:
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        s.close()

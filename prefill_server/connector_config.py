@@ -1,0 +1,19 @@
+"""The ``--kv-transfer-config`` a vLLM decode needs for connector mode (one place: the CLI, the demo
+and the e2e tests' decode launcher all use it)."""
+from __future__ import annotations
+
+CONNECTOR_CLASS = "PrefillServerConnector"
+CONNECTOR_MODULE = "kv_transfer.vllm.connector"
+
+
+def vllm_connector_config(secret_file: str | None = None, transfer_timeout_s: float | None = None) -> dict:
+    extra: dict = {}
+    if secret_file:
+        extra["secret_file"] = secret_file
+    if transfer_timeout_s is not None:
+        extra["transfer_timeout_s"] = transfer_timeout_s
+    cfg = {"kv_connector": CONNECTOR_CLASS, "kv_connector_module_path": CONNECTOR_MODULE,
+           "kv_role": "kv_consumer"}
+    if extra:
+        cfg["kv_connector_extra_config"] = extra
+    return cfg

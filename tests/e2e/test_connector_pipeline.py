@@ -1,0 +1,189 @@
+"""Connector mode end to end: an unmodified vLLM 0.32 decode loads OUR connector
+(kv_transfer.vllm.connector, installed beside it by scripts/setup.sh) through --kv-transfer-config;
+the prefill streams every layer into the decode's own blocks. The foundation's checks, in this mode.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from gateway import GatewayThread
+from prompts import all_prompts
+from test_pipeline import ask
+from prefill_server.config import EngineConfig, ServerConfig
+from prefill_server.connector_config import vllm_connector_config
+from prefill_server.local_vllm import VllmDecode, free_port
+from prefill_server.serving.server import build_service
+
+pytestmark = pytest.mark.e2e
+SECRET = "e2e-connector-secret-0123456789"
+TRANSFER_TIMEOUT_S = 20.0
+
+
+@pytest.fixture(scope="module")
+def secret_file(tmp_path_factory):
+    p = tmp_path_factory.mktemp("secret") / "secret"
+    p.write_text(SECRET)
+    return str(p)
+
+
+@pytest.fixture(scope="module")
+def connector_decode(decode_model_dir, tmp_path_factory, secret_file):
+    from conftest import DECODE_BLOCK_SIZE, skip_or_fail
+    from prefill_server.local_vllm import vllm_python
+
+    if vllm_python() is None:
+        skip_or_fail("no vLLM decode venv at .venv-vllm: run scripts/setup.sh")
+    log_dir = os.environ.get("PREFILL_E2E_LOG_DIR")
+    log_dir = tmp_path_factory.mktemp("vllm-connector") if not log_dir else __import__("pathlib").Path(log_dir)
+    d = VllmDecode(model=str(decode_model_dir), log_path=log_dir / "vllm-connector-decode.log",
+                   dtype="float32", block_size=DECODE_BLOCK_SIZE,
+                   kv_transfer_config=vllm_connector_config(secret_file, TRANSFER_TIMEOUT_S))
+    with d:
+        d.completion("Warm up.", max_tokens=2)
+        yield d
+
+
+@pytest.fixture(scope="module")
+def gateway(connector_decode, secret_file):
+    svc = build_service(EngineConfig(model=connector_decode.model, dtype="float32", block_size=0,
+                                     kv_cache_gib=0.25, token_budget=1024),
+                        ServerConfig(transfer_mode="connector", decode_url=connector_decode.url,
+                                     secret_file=secret_file, register_timeout_s=30))
+    assert svc.engine.pool.block_size == connector_decode.block_size
+    gw = GatewayThread(svc, connector_decode.url).start()
+    yield gw
+    gw.stop()
+
+
+def decode_blocks_in_use(decode: VllmDecode) -> float:
+    text = httpx.get(decode.url + "/metrics", timeout=30).text
+    m = re.search(r"^vllm:kv_cache_usage_perc\{[^}]*\} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else float("nan")
+
+
+def wait_decode_idle(decode: VllmDecode, timeout_s: float = 60) -> float:
+    deadline = time.monotonic() + timeout_s
+    while (usage := decode_blocks_in_use(decode)) != 0.0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return usage
+
+
+def test_fp32_every_prompt_token_identical_and_nothing_left(connector_decode, gateway):
+    model = connector_decode.served_model_name()
+    mismatches = []
+    for p in all_prompts():
+        alone = ask(connector_decode.url, p, model)
+        ours = ask(gateway.url, p)
+        if [t for t, _ in ours] != [t for t, _ in alone]:
+            mismatches.append(p.name)
+    assert mismatches == [], f"connector pipeline differs from vLLM alone for {mismatches}"
+    producer = gateway.service.engine.producer
+    assert producer.stats().released_total >= len(all_prompts())  # really streamed, every time
+    assert gateway.wait_pool_empty() == 0 and producer.num_active == 0
+    assert wait_decode_idle(connector_decode) == 0.0
+
+
+def test_layers_are_written_while_later_layers_compute(connector_decode, gateway):
+    p = max(all_prompts(), key=lambda p: p.approx_tokens)
+    ask(gateway.url, p)
+    producer = gateway.service.engine.producer
+    times = sorted(list(producer.last_layer_times.values())[-1])
+    L = gateway.service.info.num_layers
+    assert [t[0] for t in times] == list(range(L))
+    posted = {layer: t for layer, t, _ in times}
+    done = {layer: t for layer, _, t in times}
+    assert done[0] < posted[L - 1], "layer 0 was not on the decode before the last layer was computed"
+
+
+def test_negative_control_corrupted_stream_changes_output(connector_decode, gateway):
+    p = next(p for p in all_prompts() if p.kind == "plain" and p.approx_tokens >= 150)
+    alone = [t for t, _ in ask(connector_decode.url, p, connector_decode.served_model_name())]
+    producer = gateway.service.engine.producer
+    pool = gateway.service.engine.pool
+    layer_done = producer.layer_done
+
+    def corrupting(request_id, layer, src_pages, ready_event=None):
+        pool.kv.view(-1, *pool.kv.shape[2:])[list(src_pages)] = 0.5
+        return layer_done(request_id, layer, src_pages, ready_event)
+
+    producer.layer_done = corrupting
+    try:
+        ours = [t for t, _ in ask(gateway.url, p)]
+    finally:
+        producer.layer_done = layer_done
+    assert ours != alone
+    assert gateway.wait_pool_empty() == 0
+
+
+def test_bad_input_and_prefill_failure_fail_cleanly(connector_decode, gateway):
+    url = gateway.url
+    r = httpx.post(url + "/v1/completions", json={"prompt": "", "max_tokens": 4})
+    assert r.status_code == 400 and "empty" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/completions", json={"prompt": "hi " * 9000, "max_tokens": 4})
+    assert r.status_code == 400
+    # the prefill fails mid-request: the decode must fail that request (not hang, not answer from
+    # garbage) and keep serving
+    engine = gateway.service.engine
+    run = engine.runner.run
+
+    def failing(chunks):
+        raise RuntimeError("injected prefill failure")
+
+    engine.runner.run = failing
+    try:
+        r = httpx.post(url + "/v1/completions", json={"prompt": "Fail me, please.", "max_tokens": 4},
+                       timeout=120)
+    finally:
+        engine.runner.run = run
+    assert r.status_code >= 500 and "injected prefill failure" in r.text
+    assert gateway.wait_pool_empty() == 0 and engine.producer.num_active == 0
+    assert wait_decode_idle(connector_decode) == 0.0
+    r = httpx.post(url + "/v1/completions", json={"prompt": "Still serving?", "max_tokens": 4}, timeout=120)
+    assert r.status_code == 200
+
+
+def test_prefill_killed_mid_transfer_fails_the_decode_request_cleanly(connector_decode, secret_file, tmp_path):
+    """A separate prefill-server process is SIGKILLed while streaming: the decode's connector gives
+    up after its transfer timeout, frees the request's blocks and keeps serving."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "prefill_server.cli", "serve", "--model", connector_decode.model,
+           "--dtype", "float32", "--port", str(port), "--decode-url", connector_decode.url,
+           "--transfer-mode", "connector", "--secret-file", secret_file, "--kv-cache-gib", "0.25"]
+    log = open(tmp_path / "prefill.log", "wb")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, start_new_session=True)
+    try:
+        line = proc.stdout.readline().decode()
+        assert "listening on" in line, (tmp_path / "prefill.log").read_text()[-3000:]
+
+        def killer():  # once the streamed forward runs (so the decode has registered)
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                m = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+                if re.search(r"^prefill_server:num_requests_running 1", m, re.M):
+                    break
+                time.sleep(0.02)
+            os.killpg(proc.pid, signal.SIGKILL)
+
+        import threading
+        threading.Thread(target=killer, daemon=True).start()
+        with pytest.raises(httpx.HTTPError):
+            httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                       json={"prompt": "Killed in the middle. " * 600, "max_tokens": 4}, timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    # the decode's request is failed by its connector after TRANSFER_TIMEOUT_S; nothing stranded
+    assert wait_decode_idle(connector_decode, TRANSFER_TIMEOUT_S + 60) == 0.0
+    r = httpx.post(connector_decode.url + "/v1/completions",
+                   json={"model": connector_decode.served_model_name(), "prompt": "Alive?", "max_tokens": 2},
+                   timeout=120)
+    assert r.status_code == 200
