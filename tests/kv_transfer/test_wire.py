@@ -1,0 +1,91 @@
+"""Our push handshake: message round trip, HMAC, replay guard, geometry check, notifications, and
+the --kv-transfer-config the CLI prints for connector mode."""
+import json
+import time
+
+import msgspec
+import pytest
+
+from kv_transfer import wire
+from prefill_server.cli import main
+
+SECRET = b"0123456789abcdef-secret"
+G = wire.Geometry(model_fingerprint="abc", num_layers=2, num_kv_heads=3, head_dim=64, block_size=32,
+                  dtype="float32")
+
+
+def register(**kw):
+    base = dict(version=1, request_id="r1", engine_id="e", agent_name="a", agent_metadata=b"m", geometry=G,
+                mem_type="DRAM", device_id=0, layer_addrs=[1, 2], block_stride=G.page_bytes, block_ids=[4],
+                first_token=0, num_tokens=10, nonce=wire.new_nonce(), timestamp=time.time())
+    base.update(kw)
+    return wire.Register(**base)
+
+
+def test_round_trip_and_mac():
+    msg = wire.sign(SECRET, register())
+    back = wire.decode(wire.encode(msg))
+    assert back == msg and wire.verify(SECRET, back)
+    assert not wire.verify(b"another-secret-0123456", back)
+    tampered = msgspec.structs.replace(back, block_ids=[5])  # redirect the WRITEs: detected
+    assert not wire.verify(SECRET, tampered)
+    ack = wire.sign(SECRET, wire.Ack(version=1, request_id="r1", accepted=True, nonce=msg.nonce))
+    assert wire.verify(SECRET, wire.decode(wire.encode(ack)))
+
+
+def test_malformed_messages_raise_validation_errors():
+    for junk in (b"", b"\x93\x01\x02", wire.encode(register())[:-3], msgspec.msgpack.encode({"type": "x"})):
+        with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
+            wire.decode(junk)
+
+
+def test_replay_guard():
+    g = wire.ReplayGuard(window_s=60)
+    n = wire.new_nonce()
+    assert g.check(n, 1000.0, now=1000.0) is None
+    assert "replay" in g.check(n, 1000.0, now=1001.0)
+    assert "off" in g.check(wire.new_nonce(), 900.0, now=1001.0)
+    assert "shorter" in g.check(b"x", 1001.0, now=1001.0)
+
+
+def test_geometry_mismatches_name_the_fields():
+    other = msgspec.structs.replace(G, block_size=16, dtype="bfloat16")
+    assert G.mismatches(G) == []
+    assert G.mismatches(other) == ["block_size: prefill 32, decode 16", "dtype: prefill 'float32', decode 'bfloat16'"]
+    assert G.page_bytes == 3 * 32 * 128 * 4
+
+
+def test_notifications():
+    assert wire.parse_notif(wire.done_notif("pf-1", 7)) == ("done", "pf-1", "7")
+    assert wire.parse_notif(wire.fail_notif("pf-1", "it broke badly")) == ("fail", "pf-1", "it broke badly")
+    for junk in (b"pf-1:1", b"HB:a,b", b"psv1 done", b"psv1 what x 1", b"\xff\xfe"):
+        assert wire.parse_notif(junk) is None
+
+
+def test_fingerprint_fills_transformers_defaults():
+    raw = {"model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
+           "num_key_value_heads": 3, "intermediate_size": 1536, "vocab_size": 49152}
+    parsed = dict(raw, head_dim=64, rope_theta=100000.0, torch_dtype="bfloat16")
+    assert wire.model_fingerprint(raw) == wire.model_fingerprint(parsed)
+    assert wire.model_fingerprint(raw) != wire.model_fingerprint(dict(raw, num_hidden_layers=31))
+
+
+def test_secret_sources(tmp_path, monkeypatch):
+    monkeypatch.delenv("PREFILL_SERVER_SECRET", raising=False)
+    with pytest.raises(ValueError, match="PREFILL_SERVER_SECRET"):
+        wire.load_secret()
+    f = tmp_path / "s"
+    f.write_text("from-a-file-0123456789\n")
+    assert wire.load_secret(secret_file=str(f)) == b"from-a-file-0123456789"
+    monkeypatch.setenv("PREFILL_SERVER_SECRET", "short")
+    with pytest.raises(ValueError, match="16"):
+        wire.load_secret()
+
+
+def test_cli_prints_the_connector_config(capsys):
+    assert main(["vllm-config", "--transfer-mode", "connector", "--secret-file", "/etc/s"]) == 0
+    cfg = json.loads(capsys.readouterr().out)
+    assert cfg == {"kv_connector": "PrefillServerConnector", "kv_connector_module_path": "kv_transfer.vllm.connector",
+                   "kv_role": "kv_consumer", "kv_connector_extra_config": {"secret_file": "/etc/s"}}
+    assert main(["vllm-config"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
