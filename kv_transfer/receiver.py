@@ -4,8 +4,11 @@ the per-layer "done" notifications the prefill's WRITEs carry. Our vLLM connecto
 (``kv_transfer.vllm.connector``) wraps it; tests and benchmarks use it directly as "a decode".
 
 Threads: ``register``/``cancel`` only queue work; one background thread does the ZMQ round trips
-(so a forward never waits on the network). ``poll()`` (the caller's thread) drains NIXL
-notifications and returns what completed, failed, or finished cancelling since the last call.
+(so a forward never waits on the network); another drives NIXL progress every ``progress_s`` and
+counts notifications. Over UCX transports that are not true RDMA (TCP, shared memory) the target
+must progress for WRITEs to land, and vLLM only calls the connector once per engine step, which can
+be seconds apart on a busy CPU: the progress thread makes transfer speed independent of that.
+``poll()`` returns what completed, failed, or finished cancelling since the last call.
 A request fails when the prefill refuses it, sends "fail", or no layer arrives for ``timeout_s``.
 """
 from __future__ import annotations
@@ -49,7 +52,8 @@ class PushReceiver:
     all on one device. ``geometry`` describes them."""
 
     def __init__(self, caches: list[torch.Tensor], geometry: wire.Geometry, secret: bytes, *,
-                 engine_id: str | None = None, timeout_s: float = 120.0, rpc_timeout_s: float = 10.0):
+                 engine_id: str | None = None, timeout_s: float = 120.0, rpc_timeout_s: float = 10.0,
+                 progress_s: float = 0.001):
         if len(caches) != geometry.num_layers:
             raise ValueError(f"{len(caches)} caches for {geometry.num_layers} layers")
         c0 = caches[0]
@@ -71,8 +75,12 @@ class PushReceiver:
         self._jobs: queue.Queue = queue.Queue()
         self._zmq = zmq.Context()
         self._stop = threading.Event()
+        self.progress_s = progress_s
+        self._agent_lock = threading.Lock()
         self._thread = threading.Thread(target=self._rpc_loop, name="kv-receiver-rpc", daemon=True)
         self._thread.start()
+        self._progress = threading.Thread(target=self._progress_loop, name="kv-receiver-progress", daemon=True)
+        self._progress.start()
 
     # ---- caller API ----
     def register(self, host: str, port: int, request_id: str, block_ids: list[int], first_token: int,
@@ -102,9 +110,11 @@ class PushReceiver:
         with self._lock:
             return len(self._recv)
 
-    def poll(self) -> PollResult:
+    def _drain(self) -> None:
+        with self._agent_lock:
+            notifs = self.agent.get_notifs()
         now = time.monotonic()
-        for _agent, msg in self.agent.get_notifs():
+        for _agent, msg in notifs:
             parsed = wire.parse_notif(msg)
             if parsed is None:
                 continue
@@ -124,6 +134,17 @@ class PushReceiver:
                 if len(r.layers) == r.num_layers:
                     self._recv.pop(rid)
                     self._result.done.add(rid)
+
+    def _progress_loop(self) -> None:
+        while not self._stop.wait(self.progress_s):
+            try:
+                self._drain()
+            except Exception:  # noqa: BLE001 - keep progressing
+                log.exception("receiver progress loop error")
+
+    def poll(self) -> PollResult:
+        self._drain()
+        now = time.monotonic()
         with self._lock:
             for rid, r in list(self._recv.items()):
                 if now > r.deadline:
@@ -137,8 +158,10 @@ class PushReceiver:
         self._stop.set()
         self._jobs.put(None)
         self._thread.join(timeout=5)
+        self._progress.join(timeout=5)
         self._zmq.term()
-        self.agent.close()
+        with self._agent_lock:
+            self.agent.close()
 
     # ---- background RPCs ----
     def _rpc_loop(self) -> None:

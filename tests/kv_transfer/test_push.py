@@ -113,8 +113,9 @@ def test_streamed_kv_equals_a_plain_forward_and_frees_everything(setup, loaded):
 
 def test_layers_are_written_while_later_layers_compute(setup, loaded):
     ids = loaded.tokenizer.encode("Layer by layer. " * 60)
-    setup.run("t1", ids, list(range(-(-len(ids) // BS))))
+    fut = setup.run("t1", ids, list(range(-(-len(ids) // BS))))
     assert setup.wait("t1") == "done"
+    fut.result(timeout=60)
     # finish() returned the per-layer (layer, WRITE posted, WRITE seen done) monotonic times
     times = sorted(setup.producer.last_layer_times["t1"])
     L = loaded.config.num_layers
