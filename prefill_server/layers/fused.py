@@ -3,10 +3,10 @@
 In PyTorch eager mode each of these is several passes over a large activation: RMSNorm in float32
 is six (upcast, square, mean, scale, downcast, weight), rotary four to six (mul, neg, cat, mul, add)
 plus a copy of v, SiLU-and-multiply two, a KV page write one index kernel per tensor. Here each is
-one read and one write. Arithmetic is float32 with one rounding to the storage dtype at the end
-(RMSNorm and SiLU also round where the eager ops do), so on bf16 the results differ from the eager
-ops by about one bf16 ulp in some elements (measured on the H200: docs/e2e-gpu-notes.md); in
-float32 they agree to float32 rounding (tests/bench, through Triton's interpreter).
+one read and one write. Arithmetic is float32 with one rounding to the storage dtype at the end,
+like the eager code in the callers and like vLLM's own kernels (checked against vLLM 0.32's CPU
+ops: rotary, silu_and_mul and rms_norm agree bit for bit with "float32 math, one rounding"); in
+float32 they agree with the eager ops to float32 rounding (tests/bench, Triton's interpreter).
 
 Used only for CUDA tensors when Triton is importable; the CPU path (and every CPU test) is the plain
 PyTorch code in the callers. ``enabled(False)`` turns the fast paths off (benchmarks, checks).
@@ -48,9 +48,9 @@ if triton is not None:
         m = cols < n
         x = tl.load(X + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
         var = tl.sum(x * x, axis=0) / n
-        y = (x * tl.rsqrt(var + eps)).to(Y.dtype.element_ty)  # HF: normalize in fp32, cast, then weight
+        y = x * tl.rsqrt(var + eps)  # weight applied in float32, one rounding (as vLLM's rms_norm)
         w = tl.load(W + cols, mask=m, other=0.0)
-        tl.store(Y + row * stride_y + cols, (w.to(tl.float32) * y.to(tl.float32)).to(Y.dtype.element_ty), mask=m)
+        tl.store(Y + row * stride_y + cols, (w.to(tl.float32) * y).to(Y.dtype.element_ty), mask=m)
 
     @triton.jit
     def _rope_heads(src, dst, c1, c2, s1, s2, nh, D: tl.constexpr, HALF: tl.constexpr, BH: tl.constexpr):
@@ -92,7 +92,7 @@ if triton is not None:
         g = tl.load(GU + row * stride_gu + cols, mask=m, other=0.0).to(tl.float32)
         u = tl.load(GU + row * stride_gu + n + cols, mask=m, other=0.0).to(tl.float32)
         dt = OUT.dtype.element_ty
-        act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # F.silu rounds to the storage dtype
+        act = g / (1.0 + tl.exp(-g))  # float32 throughout, one rounding (as vLLM's silu_and_mul)
         tl.store(OUT + row * stride_out + cols, (act * u).to(dt), mask=m)
 
     @triton.jit

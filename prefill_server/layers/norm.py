@@ -1,5 +1,6 @@
-"""RMSNorm computed as Hugging Face does (float32 statistics, weight applied in the input dtype).
-On CUDA one fused pass (``layers.fused``); elsewhere the plain PyTorch ops."""
+"""RMSNorm as vLLM's kernels compute it: float32 statistics, the weight applied in float32, one
+rounding to the input dtype (Hugging Face rounds before applying the weight: up to one bf16 ulp
+apart). On CUDA one fused pass (``layers.fused``); elsewhere the plain PyTorch ops."""
 from __future__ import annotations
 
 import torch
@@ -24,7 +25,7 @@ class RMSNorm(nn.Module):
         xf = x.float()
         variance = xf.pow(2).mean(-1, keepdim=True)
         xf = xf * torch.rsqrt(variance + self.eps)
-        return self.weight * xf.to(in_dtype)
+        return (xf * self.weight.float()).to(in_dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -61,7 +61,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos, sin: [T, head_dim] -> [T, heads, head_dim]."""
-    cos = cos[:, None, :]
-    sin = sin[:, None, :]
-    return x * cos + rotate_half(x) * sin
+    """x: [T, heads, head_dim]; cos, sin: [T, head_dim] -> [T, heads, head_dim]. Computed in float32
+    and rounded once, as vLLM's rotary kernels (and our fused CUDA kernel) do."""
+    cos = cos[:, None, :].float()
+    sin = sin[:, None, :].float()
+    xf = x.float()
+    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)

@@ -6,8 +6,10 @@ positions. It never sees the batch structure: attention is a callable supplied b
 cached + new tokens. q/k/v/o shapes: q, o [T, num_heads, head_dim]; k, v [T, num_kv_heads, head_dim];
 k is post-rope (and post q/k-norm for Qwen3), v is raw.
 
-Numerics follow transformers: RMSNorm statistics in float32, rope cos/sin from float32 angles cast
-to the model dtype, residual stream in the model dtype.
+Numerics follow vLLM's kernels, whose KV the decode would otherwise compute itself: RMSNorm, rope
+and SiLU-and-multiply in float32 with one rounding to the model dtype (transformers rounds after
+each op: up to one bf16 ulp apart), rope cos/sin from float32 angles cast to the model dtype,
+residual stream in the model dtype. In float32 both agree to float32 rounding.
 
 On CUDA the elementwise work runs as single-pass kernels (``layers.fused``: norm, rope + v copy
 straight into the whole-prompt q/k/v buffers, SiLU-and-multiply) and the residual adds ride in the
@@ -108,7 +110,7 @@ class MLP(nn.Module):
                 return residual.addmm_(act, self.down_proj.weight.t())
             return torch.addmm(residual, act, self.down_proj.weight.t(), out=out)
         gate, up = self.gate_up_proj.forward_split(x)  # [T, inter] each
-        y = self.down_proj(F.silu(gate) * up)  # [T, hidden]
+        y = self.down_proj((F.silu(gate.float()) * up.float()).to(gate.dtype))  # [T, hidden]; one rounding
         if residual is None:
             return y
         return residual + y if out is None else torch.add(residual, y, out=out)
