@@ -20,6 +20,7 @@ the linear-layer floor for all their tokens; target >= 80%).
 
     prefill-server bench e2e --lengths 8192,32768,131072 --out e2e.json
     prefill-server bench e2e --preset tiny --device cpu --lengths 64,128   # a smoke run anywhere
+    prefill-server bench e2e stream ...   # sparse mode + KV streamed to a receiver: bench/stream.py
 """
 from __future__ import annotations
 
@@ -511,11 +512,16 @@ def throughput_run(engine: Engine, cfg: ModelConfig, n: int, tokens: int, device
             "tokens_per_s": n * tokens / wall, "ttft_p50_s": ttfts[len(ttfts) // 2], "ttft_max_s": ttfts[-1]}
 
 
-def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="prefill-server bench e2e", description=__doc__.split("\n\n")[0])
+def model_args(ap: argparse.ArgumentParser) -> None:
+    """--preset, --device, --dtype (shared with ``bench e2e stream``)."""
     ap.add_argument("--preset", default="llama-3.1-8b", choices=["llama-3.1-8b", "tiny"])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="prefill-server bench e2e", description=__doc__.split("\n\n")[0])
+    model_args(ap)
     ap.add_argument("--lengths", default="8192,32768,131072", help="prompt lengths for TTFT (comma-separated)")
     ap.add_argument("--reps", type=int, default=3, help="timed prefills per length")
     ap.add_argument("--long-reps", type=int, default=2, help="timed prefills per length above --warmup-max")
@@ -728,12 +734,23 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
+def bench_args(parse, argv: list[str], name: str):
+    """``parse(argv)`` with ``argv`` kept on it (for the JSON); None if it asks for a GPU that is absent."""
+    args = parse(argv)
     args.argv = argv
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("bench e2e: no CUDA GPU here (use --preset tiny --device cpu for a smoke run)", file=sys.stderr)
+        print(f"{name}: no CUDA GPU here (use --preset tiny --device cpu for a smoke run)", file=sys.stderr)
+        return None
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["stream"]:  # sparse mode + KV streamed to a receiver process: bench/stream.py
+        from prefill_server.bench.stream import main as stream_main
+        return stream_main(argv[1:])
+    args = bench_args(parse_args, argv, "bench e2e")
+    if args is None:
         return 2
     res = run(args)
     with open(args.out, "w") as fh:
