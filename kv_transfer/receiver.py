@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import queue
+from concurrent.futures import ThreadPoolExecutor
 import threading
 import time
 import uuid
@@ -112,7 +113,11 @@ class PushReceiver:
 
     def _drain(self) -> None:
         with self._agent_lock:
-            notifs = self.agent.get_notifs()
+            try:
+                notifs = self.agent.get_notifs()
+            except Exception:  # noqa: BLE001 - e.g. a peer that died; timeouts catch its requests
+                log.warning("NIXL notification poll failed", exc_info=True)
+                return
         now = time.monotonic()
         for _agent, msg in notifs:
             parsed = wire.parse_notif(msg)
@@ -165,20 +170,25 @@ class PushReceiver:
 
     # ---- background RPCs ----
     def _rpc_loop(self) -> None:
-        while not self._stop.is_set():
-            job = self._jobs.get()
-            if job is None:
-                return
-            host, port, msg = job
-            try:
-                err = self._rpc(host, port, msg)
-            except Exception as e:  # noqa: BLE001
-                err = f"{type(e).__name__}: {e}"
-            with self._lock:
-                if isinstance(msg, wire.Cancel):
-                    self._result.cancelled.add(msg.request_id)
-                elif err and self._recv.pop(msg.request_id, None) is not None:
-                    self._result.failed[msg.request_id] = err
+        # a pool, so that one unreachable prefill (each RPC waits up to rpc_timeout_s) does not hold
+        # up registrations with the others
+        with ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-receiver-rpc") as pool:
+            while not self._stop.is_set():
+                job = self._jobs.get()
+                if job is None:
+                    return
+                pool.submit(self._run_job, *job)
+
+    def _run_job(self, host: str, port: int, msg) -> None:
+        try:
+            err = self._rpc(host, port, msg)
+        except Exception as e:  # noqa: BLE001
+            err = f"{type(e).__name__}: {e}"
+        with self._lock:
+            if isinstance(msg, wire.Cancel):  # (an unreachable prefill cannot write either)
+                self._result.cancelled.add(msg.request_id)
+            elif err and self._recv.pop(msg.request_id, None) is not None:
+                self._result.failed[msg.request_id] = err
 
     def _rpc(self, host: str, port: int, msg) -> str:
         """Send one signed message, wait for the Ack; '' if accepted, else why not."""

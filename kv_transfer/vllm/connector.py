@@ -29,7 +29,7 @@ num_tokens}}`` (what our gateway sends) is loaded from the prefill server:
 What this module depends on from vLLM (all imported in the block below, nowhere else): the
 classes ``KVConnectorBase_V1``, ``KVConnectorRole``, ``KVConnectorMetadata``,
 ``KVConnectorTransferResults``; ``Request.kv_transfer_params / num_prompt_tokens /
-request_id``; ``KVCacheBlocks.get_block_ids()``; ``vllm_config.model_config`` (hf_config,
+request_id / status`` and ``RequestStatus.FINISHED_ABORTED``; ``KVCacheBlocks.get_block_ids()``; ``vllm_config.model_config`` (hf_config,
 dtype, get_num_layers / get_num_kv_heads / get_head_size), ``cache_config.block_size /
 cache_dtype``, ``kv_transfer_config.kv_connector_extra_config``; ``current_platform.is_cpu()``
 and ``current_platform.pack_kv_cache(cache, indices)`` (CPU decode only). Checked against vLLM
@@ -51,6 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # the vLLM API 
     KVConnectorTransferResults,
 )
 from vllm.platforms import current_platform
+from vllm.v1.request import RequestStatus
 
 from kv_transfer import wire
 from kv_transfer.push import PARAMS_KEY
@@ -125,7 +126,7 @@ class PrefillServerConnector(KVConnectorBase_V1):
         self._caches: list[torch.Tensor] = []
         self._by_prefill_id: dict[str, tuple[str, _RecvSpec]] = {}
         self._load_errors: set[int] = set()
-        self._results = KVConnectorTransferResults()
+        self._reported: dict[str, None] = {}  # vLLM ids already reported finished (insertion-ordered)
 
     # ================================================================ scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -156,7 +157,12 @@ class PrefillServerConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         spec = self._inflight.pop(request.request_id, None)
-        if spec is not None:  # aborted while its KV was arriving: stop the prefill first
+        # Aborted while its KV was arriving: stop the prefill first. (A request failed for a KV
+        # load error was already reported finished by the worker: nothing more to send, and a
+        # second report of it would trip vLLM's scheduler.)
+        # (Not registered yet: the Cancel still goes, so the prefill stops waiting for it and the
+        # worker reports the request finished, which vLLM waits for before freeing its blocks.)
+        if spec is not None and request.status == RequestStatus.FINISHED_ABORTED:
             self._pending.receive.pop(request.request_id, None)
             self._pending.cancel[request.request_id] = spec
         return False, None  # vLLM itself holds the blocks until we report the receive finished
@@ -182,6 +188,8 @@ class PrefillServerConnector(KVConnectorBase_V1):
             self._receiver.register(spec.host, spec.port, spec.prefill_request_id, spec.block_ids,
                                     spec.first_token, spec.num_tokens)
         for rid, spec in meta.cancel.items():
+            if rid in self._reported:
+                continue  # its KV already arrived (or failed) and vLLM was told: nothing to stop
             self._by_prefill_id[spec.prefill_request_id] = (rid, spec)  # reported once acknowledged
             self._receiver.cancel(spec.host, spec.port, spec.prefill_request_id)
 
@@ -221,6 +229,12 @@ class PrefillServerConnector(KVConnectorBase_V1):
             rid, _ = self._by_prefill_id.pop(pid, (None, None))
             if rid is not None:
                 out.finished_recving.add(rid)
+        out.finished_recving -= self._reported.keys()  # each request is reported exactly once
+        out.failed_recving &= out.finished_recving
+        for rid in out.finished_recving:
+            self._reported[rid] = None
+        while len(self._reported) > 100_000:
+            del self._reported[next(iter(self._reported))]
         return out
 
     def get_block_ids_with_load_errors(self) -> set[int]:

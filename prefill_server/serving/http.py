@@ -143,8 +143,11 @@ def create_app(service: PrefillService, decode: DecodeClient | None, api_key: st
             metrics.kv_failed.inc()
             if prefill is not None:  # connector mode: the prefill's reason says more than a 500
                 await asyncio.wait([prefill], timeout=2.0)
-                if prefill.done() and not prefill.cancelled() and prefill.exception() is not None:
-                    raise prefill.exception()
+                if prefill.done() and not prefill.cancelled() and (e := prefill.exception()) is not None:
+                    if isinstance(e, PrefillError):
+                        raise e
+                    raise PrefillError(f"the prefill failed ({type(e).__name__}: {e}); the decode "
+                                       "could not use its KV") from e
         metrics.e2e_time.observe(time.monotonic() - t0)
         _check_prompt_tokens(resp, n_tokens, rid)
         return Response(resp.content, resp.status_code, media_type="application/json")

@@ -16,7 +16,7 @@ import pytest
 
 from gateway import GatewayThread
 from prompts import all_prompts
-from test_pipeline import ask
+from test_pipeline import ask, check_bf16, report_dir
 from prefill_server.config import EngineConfig, ServerConfig
 from prefill_server.connector_config import vllm_connector_config
 from prefill_server.local_vllm import VllmDecode, free_port
@@ -34,31 +34,40 @@ def secret_file(tmp_path_factory):
     return str(p)
 
 
+def connector_vllm(model_dir, log_path, secret_file: str, dtype: str) -> VllmDecode:
+    from conftest import DECODE_BLOCK_SIZE
+
+    return VllmDecode(model=str(model_dir), log_path=log_path, dtype=dtype, block_size=DECODE_BLOCK_SIZE,
+                      kv_transfer_config=vllm_connector_config(secret_file, TRANSFER_TIMEOUT_S))
+
+
 @pytest.fixture(scope="module")
 def connector_decode(decode_model_dir, tmp_path_factory, secret_file):
-    from conftest import DECODE_BLOCK_SIZE, skip_or_fail
+    from conftest import skip_or_fail
     from prefill_server.local_vllm import vllm_python
 
     if vllm_python() is None:
         skip_or_fail("no vLLM decode venv at .venv-vllm: run scripts/setup.sh")
     log_dir = os.environ.get("PREFILL_E2E_LOG_DIR")
     log_dir = tmp_path_factory.mktemp("vllm-connector") if not log_dir else __import__("pathlib").Path(log_dir)
-    d = VllmDecode(model=str(decode_model_dir), log_path=log_dir / "vllm-connector-decode.log",
-                   dtype="float32", block_size=DECODE_BLOCK_SIZE,
-                   kv_transfer_config=vllm_connector_config(secret_file, TRANSFER_TIMEOUT_S))
+    d = connector_vllm(decode_model_dir, log_dir / "vllm-connector-decode.log", secret_file, "float32")
     with d:
         d.completion("Warm up.", max_tokens=2)
         yield d
 
 
+def connector_gateway(decode: VllmDecode, secret_file: str, dtype: str) -> GatewayThread:
+    svc = build_service(EngineConfig(model=decode.model, dtype=dtype, block_size=0,
+                                     kv_cache_gib=0.25, token_budget=1024),
+                        ServerConfig(transfer_mode="connector", decode_url=decode.url,
+                                     secret_file=secret_file, register_timeout_s=30))
+    assert svc.engine.pool.block_size == decode.block_size
+    return GatewayThread(svc, decode.url).start()
+
+
 @pytest.fixture(scope="module")
 def gateway(connector_decode, secret_file):
-    svc = build_service(EngineConfig(model=connector_decode.model, dtype="float32", block_size=0,
-                                     kv_cache_gib=0.25, token_budget=1024),
-                        ServerConfig(transfer_mode="connector", decode_url=connector_decode.url,
-                                     secret_file=secret_file, register_timeout_s=30))
-    assert svc.engine.pool.block_size == connector_decode.block_size
-    gw = GatewayThread(svc, connector_decode.url).start()
+    gw = connector_gateway(connector_decode, secret_file, "float32")
     yield gw
     gw.stop()
 
@@ -192,3 +201,36 @@ def test_prefill_killed_mid_transfer_fails_the_decode_request_cleanly(connector_
                    json={"model": connector_decode.served_model_name(), "prompt": "Alive?", "max_tokens": 2},
                    timeout=120)
     assert r.status_code == 200
+
+
+def test_decode_abort_mid_transfer_frees_both_sides(connector_decode, gateway):
+    """The decode aborts a request while its KV streams in (its client went away): our connector
+    sends Cancel, the prefill stops writing and fails the prefill, vLLM frees its blocks once the
+    prefill acknowledged. Both sides end empty and keep serving."""
+    from prefill_server.engine.types import PrefillRequest
+
+    p = max(all_prompts(), key=lambda p: p.approx_tokens)
+    engine = gateway.service.engine
+    ids = gateway.service.encode_prompt(p.text)
+    fut, params = engine.submit_push(PrefillRequest("abort-me", tuple(ids), push=True))
+    body = {"model": connector_decode.served_model_name(), "prompt": ids, "max_tokens": 4,
+            "kv_transfer_params": params}
+    with pytest.raises(httpx.TimeoutException):  # vLLM aborts the request when we hang up
+        httpx.post(connector_decode.url + "/v1/completions", json=body, timeout=1.5)
+    with pytest.raises(Exception, match="cancelled by the decode|aborted"):
+        fut.result(timeout=120)
+    assert gateway.wait_pool_empty(60) == 0 and engine.producer.num_active == 0
+    assert wait_decode_idle(connector_decode) == 0.0
+    r = httpx.post(gateway.url + "/v1/completions", json={"prompt": "Still here?", "max_tokens": 4}, timeout=120)
+    assert r.status_code == 200
+
+
+def test_bf16_connector_mode(decode_model_dir, tmp_path_factory, secret_file):
+    log = tmp_path_factory.mktemp("vllm-connector-bf16") / "vllm-decode.log"
+    with connector_vllm(decode_model_dir, log, secret_file, "bfloat16") as decode:
+        decode.completion("Warm up.", max_tokens=2)
+        gw = connector_gateway(decode, secret_file, "bfloat16")
+        try:
+            check_bf16(decode, gw, report_dir(log.parent) / "bf16_report_connector.json")
+        finally:
+            gw.stop()
