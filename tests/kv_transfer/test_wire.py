@@ -89,3 +89,18 @@ def test_cli_prints_the_connector_config(capsys):
                    "kv_role": "kv_consumer", "kv_connector_extra_config": {"secret_file": "/etc/s"}}
     assert main(["vllm-config"]) == 0
     assert json.loads(capsys.readouterr().out) == {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
+
+
+def test_descriptors_coalesce_runs_contiguous_on_both_sides():
+    import numpy as np
+
+    from kv_transfer.push import coalesced_descs
+
+    pb = 100
+    src = np.array([0, 100, 200, 500, 600, 700], dtype=np.int64)
+    dst = np.array([1000, 1100, 1300, 1400, 1500, 2000], dtype=np.int64)
+    s, d = coalesced_descs(src, dst, pb, 0, 1)
+    # runs: [0,1] (both contiguous), [2] (dst jumps), [3,4] ... [5] (dst jumps)
+    assert s.tolist() == [[0, 200, 0], [200, 100, 0], [500, 200, 0], [700, 100, 0]]
+    assert d.tolist() == [[1000, 200, 1], [1300, 100, 1], [1400, 200, 1], [2000, 100, 1]]
+    assert coalesced_descs(src[:0], dst[:0], pb, 0, 0)[0].shape == (0, 3)
