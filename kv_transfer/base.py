@@ -22,17 +22,21 @@ Pull mode (stock vLLM ``NixlConnector`` compatibility, ``kv_transfer.vllm.v0_32`
     ``pool.expire``; the engine never frees a published request. ``stop()`` releases every lease
     still held.
 
-Streaming push mode (our own vLLM connector, SGLang; ``StreamingKVProducer``)::
+Streaming push mode (our own vLLM connector ``kv_transfer.vllm.connector``; ``kv_transfer.push``)::
 
-    gateway sends the request to decode and prefill at once
-        EXPECTING --(decode registers its destination blocks)--> READY
-        READY --(engine: layer_done(rid, layer) for each layer, WRITE that layer)--> SENDING
-        SENDING --(finish(rid): all writes DONE, completion sent to the decode)--> RELEASED
-        any state --(abort / timeout / transfer error)--> ABORTED / EXPIRED / FAILED
+    gateway sends the request to decode and prefill at once (engine.submit_push -> producer.expect)
+        EXPECTING --(decode's connector sends a signed Register: its blocks, NIXL metadata)--> READY
+        READY --(engine, layer l: K/V into staging slot l % 2, layer_done(rid, l, pages))--> SENDING
+              (one NIXL WRITE per layer, notification "psv1 done rid l"; wait_layer(rid, l - 2)
+               before a slot is reused)
+        SENDING --(finish(rid): every WRITE DONE)--> RELEASED
+        any state --(abort / Cancel from the decode / WRITE error / no Register in time)-->
+              ABORTED / FAILED / EXPIRED, and a registered decode gets "psv1 fail rid reason"
 
-    Ownership: the engine's blocks are only a staging area while a layer's WRITE is in flight; the
-    engine frees them when ``finish`` (or ``abort``) returns, so a prompt never needs its whole KV
-    resident at once. The decode owns its own blocks throughout.
+    Ownership: the engine's blocks are only a staging area (two layers of the prompt); the engine
+    frees them when ``finish`` or ``abort`` returns, which is only once no WRITE of the request is in
+    flight, so a prompt never needs its whole KV resident at once. The decode owns its own blocks
+    throughout; after a Cancel it keeps them until the prefill acknowledged.
 
 Everything version-specific (wire formats, hashes, notification syntax) lives in one module per
 pinned peer version (``kv_transfer/vllm/v0_32.py``, later ``kv_transfer/sglang/v0_5_23.py``).
@@ -167,23 +171,26 @@ class KVProducer(ABC):
 
 @runtime_checkable
 class StreamingKVProducer(Protocol):
-    """Push mode (our vLLM connector, SGLang): the decode allocates and registers destination
-    blocks, the prefill WRITEs each layer as soon as it is computed. Implemented later; the engine
-    drives it like this::
+    """Push mode (``kv_transfer.push.PushProducer``): the decode allocates and registers destination
+    blocks, the prefill WRITEs each layer as soon as it is computed. The engine drives it so::
 
-        params = producer.expect(rid, transfer_request)   # before the forward; may block briefly
-        for layer in range(L): ...forward...; producer.layer_done(rid, layer, block_ids, start, end)
-        producer.finish(rid, num_tokens)                    # all WRITEs done, decode notified
+        params = producer.expect(rid, n_tokens)          # at submit; params go to the decode
+        ... the scheduler waits for producer.is_ready(rid) (or fails it when producer.overdue(rid))
+        for layer in range(L): ...; producer.wait_layer(rid, layer - 2); write staging;
+                               producer.layer_done(rid, layer, staging_pages, cuda_event)
+        producer.finish(rid)                              # all WRITEs done; then free staging
     """
 
     mode: TransferMode
 
     def start(self) -> None: ...
     def stop(self) -> None: ...
-    def expect(self, request_id: str, transfer_request: dict[str, Any]) -> dict[str, Any]: ...
-    def layer_done(self, request_id: str, layer: int, block_ids: Sequence[int], start: int,
-                   end: int) -> None: ...
-    def finish(self, request_id: str, num_tokens: int, timeout_s: float | None = None) -> None: ...
-    def abort(self, request_id: str) -> bool: ...
+    def expect(self, request_id: str, num_tokens: int) -> dict[str, Any]: ...
+    def is_ready(self, request_id: str) -> bool: ...
+    def overdue(self, request_id: str, now: float | None = None) -> str | None: ...
+    def layer_done(self, request_id: str, layer: int, src_pages: Sequence[int], ready_event: Any = None) -> None: ...
+    def wait_layer(self, request_id: str, layer: int) -> None: ...
+    def finish(self, request_id: str, timeout_s: float | None = None) -> dict[str, Any]: ...
+    def abort(self, request_id: str, reason: str = ...) -> bool: ...
     def state(self, request_id: str) -> TransferState | None: ...
     def stats(self) -> ProducerStats: ...

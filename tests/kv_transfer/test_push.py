@@ -291,3 +291,9 @@ def test_decode_killed_mid_transfer_frees_the_prefill_blocks(loaded):
         if proc is not None and proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         s.close()
+
+
+def test_push_producer_is_a_streaming_producer(setup):
+    from kv_transfer.base import StreamingKVProducer
+
+    assert isinstance(setup.producer, StreamingKVProducer)
