@@ -34,11 +34,12 @@ def secret_file(tmp_path_factory):
     return str(p)
 
 
-def connector_vllm(model_dir, log_path, secret_file: str, dtype: str) -> VllmDecode:
+def connector_vllm(model_dir, log_path, secret_file: str, dtype: str,
+                   transfer_timeout_s: float = TRANSFER_TIMEOUT_S) -> VllmDecode:
     from conftest import DECODE_BLOCK_SIZE
 
     return VllmDecode(model=str(model_dir), log_path=log_path, dtype=dtype, block_size=DECODE_BLOCK_SIZE,
-                      kv_transfer_config=vllm_connector_config(secret_file, TRANSFER_TIMEOUT_S))
+                      kv_transfer_config=vllm_connector_config(secret_file, transfer_timeout_s))
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +228,9 @@ def test_decode_abort_mid_transfer_frees_both_sides(connector_decode, gateway):
 
 def test_bf16_connector_mode(decode_model_dir, tmp_path_factory, secret_file):
     log = tmp_path_factory.mktemp("vllm-connector-bf16") / "vllm-decode.log"
-    with connector_vllm(decode_model_dir, log, secret_file, "bfloat16") as decode:
+    # bf16 matmuls are slow on CPUs without AMX: one layer of a 3K prompt can take well over the
+    # 20 s the kill test uses, on a loaded 2-core machine; keep the connector's default here
+    with connector_vllm(decode_model_dir, log, secret_file, "bfloat16", 120.0) as decode:
         decode.completion("Warm up.", max_tokens=2)
         gw = connector_gateway(decode, secret_file, "bfloat16")
         try:
