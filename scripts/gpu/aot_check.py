@@ -1,11 +1,14 @@
 """Compile the Triton kernels for sm_90 on a machine without a GPU (Triton's bundled ptxas) and
-report registers / spills / shared memory per launch variant. No device time needed.
+report registers / spills / shared memory per launch variant, and the SASS instruction mix of each
+loop body (per thread and iteration: HGMMA, MUFU, FFMA, LDGSTS vs UTMALDG, spill loads LDL, ...).
+No device time needed.
 
     .venv/bin/python scripts/gpu/aot_check.py
 """
 from __future__ import annotations
 
 import os
+import collections
 import re
 import subprocess
 import sys
@@ -37,13 +40,15 @@ def attn_sig(fn):
     return sig
 
 
-def compile_attn(mode, gp, tok, bn, nw, ns, maxnreg, dense=False):
+def compile_attn(mode, gp, tok, bn, nw, ns, maxnreg, ctas=None, fma=0, kvload=0, dense=False):
     persistent = mode == "persistent"
     fn = kernel._attn_fwd_persistent if persistent else kernel._attn_fwd
     sig = attn_sig(fn)
     cx = dict(G=4, GP=gp, TOK=tok, BS=128, BN=bn, D=128, DENSE=dense)
     if not persistent:
-        cx["MERGED"] = mode == "merged"
+        cx.update(MERGED=mode == "merged", FMA=bool(fma), KVLOAD=kvload, WS=False)
+        desc = f"tensordesc<bf16[{bn}, 128]>" if kvload == 2 else "*bf16"
+        sig.update(K_DESC=desc, V_DESC=desc)
     sig.update({k: "constexpr" for k in cx})
     opts = {"num_warps": nw, "num_stages": ns}
     if maxnreg:
@@ -55,9 +60,35 @@ def compile_attn(mode, gp, tok, bn, nw, ns, maxnreg, dense=False):
     return triton.compile(src, target=TARGET, options=opts)
 
 
+def _tool(name):
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def loop_mix(ck, min_len: int = 100) -> list[str]:
+    """Instruction mix of each loop body (a backward branch and its target) of at least min_len."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(ck.asm["cubin"])
+        f.flush()
+        txt = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4})\*/\s+(.*?);", txt)]
+    keys = ("HGMMA", "MUFU", "FFMA", "FMUL", "FADD", "FMNMX", "LDGSTS", "UTMALDG", "IMAD", "IADD3",
+            "LEA", "LDL", "STL")
+    out = []
+    for addr, op in ins:
+        m = re.search(r"BRA\s.*?(0x[0-9a-f]+)", op)
+        if not m or int(m.group(1), 16) >= addr:
+            continue
+        body = [o.split()[1] if o.startswith("@") else o.split()[0]
+                for a, o in ins if int(m.group(1), 16) <= a <= addr]
+        if min_len <= len(body) < 1000:  # (the out-of-line mbarrier waits jump back into a loop)
+            c = collections.Counter(b.split(".")[0] for b in body)
+            out.append(f"loop {len(body)}: " + " ".join(f"{k} {c[k]}" for k in keys if c[k]))
+    return out
+
+
 def resources(ck) -> str:
     """Registers and spill bytes from the cubin (cuobjdump bundled with Triton)."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    tool = _tool("cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(ck.asm["cubin"])
         f.flush()
@@ -73,10 +104,13 @@ def main():
     for var in VARIANTS:
         for dense in (False, True):
             try:
-                ck = compile_attn(*var[:7], dense=dense)
+                ck = compile_attn(*var, dense=dense)
                 ir = ck.asm["ttgir"]
                 print(var, "dense" if dense else "sparse", resources(ck), "smem", ck.metadata.shared,
-                      "async copies", ir.count("async_copy_global_to_local"))
+                      "async copies", ir.count("async_copy_global_to_local"), "TMA loads",
+                      ir.count("async_tma_copy_global_to_local"))
+                for line in loop_mix(ck):
+                    print("   ", line)
             except Exception as e:  # noqa: BLE001
                 ok = False
                 print(var, "FAILED", repr(e)[:1500])

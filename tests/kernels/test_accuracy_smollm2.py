@@ -48,5 +48,6 @@ def test_needle_8k_no_worse_than_dense(smollm, depth):
     dense_ok = acc.retrieved(model, ids, n_ans, acc.Dense())
     sparse = acc.Sparse(SparseConfig())
     sparse_ok = acc.retrieved(model, ids, n_ans, sparse)
+    print(f"needle depth {depth}: dense {dense_ok}, sparse {sparse_ok}, mean density {sparse.mean_density():.3f}")
     assert sparse.mean_density() < 1.0, "sparse path not exercised"
     assert sparse_ok or not dense_ok

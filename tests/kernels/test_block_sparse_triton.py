@@ -62,6 +62,31 @@ def test_kernel_tilings(triton_device, gp, tok, bn, mode):
     assert (l.double().cpu() - l2).abs().max() < 1e-3
 
 
+@pytest.mark.parametrize("fma,kvload", [(1, 0), (0, 1), (1, 2), (0, 2)])
+@pytest.mark.parametrize("dense", [False, True])
+def test_kernel_load_and_softmax_variants(triton_device, fma, kvload, dense):
+    """Grid scheme: scale folded into the exp2 FMA, K/V tiles from a scalar base + invariant offsets
+    (kvload=1) or TMA tensor descriptors (kvload=2), on varlen q_len < k_len, sparse and dense."""
+    bs = 32
+    q, k, v, cu_q, cu_k = batch([70, 33, 40], [150, 33, 300], 8, 2, 64, bs, dtype=torch.float16,
+                                device=triton_device)
+    lay = build_layout(cu_q, cu_k, q.shape[0], k.shape[0], bs)
+    sel = (torch.rand(lay.n_slots, 2, lay.max_kblocks, generator=torch.Generator().manual_seed(5))
+           < 0.5).to(triton_device)
+    if dense:
+        sel = torch.ones_like(sel)
+    p = plan_from_mask(sel, lay, SparseConfig(block_size=bs, backend="triton"))
+    from prefill_server.kernels.block_sparse import kernel
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((q.shape[0], q.shape[1]), float("nan"), device=q.device)
+    o, l = kernel.attention(q, k, v, lay, p.idx, p.cnt, dense=dense, out=out, lse=lse, mode="grid",
+                            bn=32, fma=fma, kvload=kvload)
+    assert not torch.isnan(o).any() and not torch.isnan(l).any(), "unwritten output"
+    o2, l2 = brute_force(q, k, v, cu_q, cu_k, sel, bs)
+    assert rel_l2(o, o2) < TOL[torch.float16]
+    assert (l.double().cpu() - l2).abs().max() < 1e-3
+
+
 @pytest.mark.parametrize("mode", ["grid", "persistent"])
 def test_kernel_head_dim_128_and_dense_mode(triton_device, mode):
     bs = 32
