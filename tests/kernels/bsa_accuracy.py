@@ -28,6 +28,7 @@ TEXTS = {  # name -> files concatenated (each long enough for 8K tokens)
     "gpl3": ["GPL-3", "GPL-2"],
     "gfdl_lgpl": ["GFDL-1.3", "LGPL-2.1", "Apache-2.0"],
     "mpl_gpl2": ["MPL-1.1", "GPL-2", "MPL-2.0"],
+    "held_out": ["Artistic", "GPL-1", "LGPL-3", "CC0-1.0", "BSD", "Apache-2.0"],  # not used to pick defaults
 }
 
 
