@@ -6,13 +6,20 @@ Per request (``TransferState``)::
 
     engine.submit(push request) -> expect(rid, n)              EXPECTING
     decode connector --Register (HMAC)--> side channel         READY   (Ack accepted)
-    engine forward, layer l: K/V into staging pages -> layer_done(rid, l, pages)
-        -> NIXL WRITE pages -> decode blocks, notification "psv1 done rid l"   SENDING
-    engine: wait_layer(rid, l - slots) before reusing a staging slot
-    engine: finish(rid): every WRITE DONE                      RELEASED
+    engine forward, layer l: K/V into staging pages -> layer_done(rid, l, pages, event): queued
+    poster thread: wait for the event (the layer's K/V are in the pages) -> NIXL WRITE pages ->
+        decode blocks, notification "psv1 done rid l"          SENDING
+    engine: wait_layer(rid, l - slots) before reusing a staging slot (layer posted, then WRITE DONE)
+    engine: finish(rid): every layer posted, every WRITE DONE  RELEASED
     any time: abort (gateway / engine), Cancel from the decode, a WRITE error, no Register within
     ``register_timeout_s``: ABORTED / FAILED / EXPIRED; the decode gets "psv1 fail rid reason"
     whenever it registered and did not get all layers.
+
+Posting happens on the producer's poster thread, never on the caller's: ``layer_done`` only
+queues ``(request, layer, pages, event)``, so the forward's thread never waits for the GPU and the
+GPU's queue does not drain at a layer boundary (the poster waits on the event and posts while the
+next layers compute). ``async_post=False`` posts on the caller's thread instead (the behaviour
+before; kept for the benchmark's comparison).
 
 Ownership: staging pages belong to the engine (it frees them once ``finish`` or ``abort``
 returns); this producer never frees pool blocks. It guarantees that once ``finish``/``abort``
@@ -25,7 +32,7 @@ import logging
 import threading
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,27 +81,35 @@ class _Push:
     created: float = field(default_factory=time.monotonic)
     layer_times: list[tuple[int, float, float]] = field(default_factory=list)  # (layer, posted, done)
     ready: threading.Event = field(default_factory=threading.Event)
+    unposted: set[int] = field(default_factory=set)  # layers queued for the poster, not yet handled
+    closing: bool = False  # abort/cancel under way: nothing more is posted
+    descs: dict[int, tuple] = field(default_factory=dict)  # id(src_pages) -> (src_pages, src, dst - layer base)
 
 
 class PushProducer:
     """Prefill side of connector mode. ``geometry`` is our pool's (``wire.Geometry``), ``secret``
     the shared HMAC key; ``host``/``port`` the side channel advertised to (and bound for)
-    decodes."""
+    decodes. ``async_post``: post each layer's WRITE on the producer's poster thread (default) or
+    on the caller's (the behaviour before; the benchmark compares the two)."""
 
     mode = TransferMode.PUSH
 
     def __init__(self, pool: KVPool, geometry: wire.Geometry, secret: bytes, *,
                  host: str = "127.0.0.1", port: int = 0, bind_host: str | None = None,
                  register_timeout_s: float = 60.0, transfer_timeout_s: float = 60.0,
-                 poll_interval_s: float = 0.002, keep_finished: int = 4096):
+                 poll_interval_s: float = 0.002, keep_finished: int = 4096, async_post: bool = True):
         if len(secret) < 16:
             raise ValueError("the connector secret must have at least 16 bytes")
         self.pool, self.geometry, self.secret = pool, geometry, secret
         self.host, self.bind_host, self.port = host, bind_host or host, port
         self.register_timeout_s, self.transfer_timeout_s = register_timeout_s, transfer_timeout_s
         self.poll_interval_s = poll_interval_s
+        self.async_post = async_post
         self.engine_id = f"prefill-push-{uuid.uuid4()}"
-        self._lock = threading.RLock()  # guards _reqs, _finished and every NIXL agent call
+        self._lock = threading.RLock()  # guards _reqs, _finished, _jobs and every NIXL agent call
+        self._posted_cv = threading.Condition(self._lock)  # notified: a job queued, handled or dropped
+        self._jobs: deque[tuple[_Push, int, Sequence[int], Any]] = deque()  # for the poster thread
+        self._poster: threading.Thread | None = None
         self._reqs: dict[str, _Push] = {}
         self._finished: OrderedDict[str, TransferState] = OrderedDict()
         self._keep_finished = keep_finished
@@ -135,6 +150,8 @@ class PushProducer:
         self._started = True
         self._thread = threading.Thread(target=self._serve, name="kv-producer-push", daemon=True)
         self._thread.start()
+        self._poster = threading.Thread(target=self._post_loop, name="kv-producer-post", daemon=True)
+        self._poster.start()
         log.info("push producer %s: side channel %s:%d", self.engine_id, self.host, self.port)
 
     def stop(self) -> None:
@@ -142,9 +159,13 @@ class PushProducer:
             return
         for rid in list(self._reqs):
             self.abort(rid)
-        self._stop.set()
-        if self._thread:
-            self._thread.join(timeout=10)
+        with self._lock:
+            self._stop.set()
+            self._posted_cv.notify_all()
+        for t in (self._thread, self._poster):
+            if t is not None:
+                t.join(timeout=10)
+        self._thread = self._poster = None
         self._close()
         self._started = False
 
@@ -202,46 +223,131 @@ class PushProducer:
     def layer_done(self, request_id: str, layer: int, src_pages: Sequence[int],
                    ready_event: Any = None) -> None:
         """Layer ``layer`` of the whole prompt sits in pool pages ``src_pages`` (flat indices into
-        ``pool.kv.view(L * NB, ...)``; page i holds tokens [i*N, (i+1)*N)). Start its WRITE.
-        ``ready_event``: a CUDA event the K/V writes recorded (waited on before posting)."""
+        ``pool.kv.view(L * NB, ...)``; page i holds tokens [i*N, (i+1)*N)). Start its WRITE once
+        ``ready_event`` (a CUDA event the K/V writes recorded; None: ready now) has completed.
+        Returns at once: the poster thread waits for the event and posts (``async_post``). Keep
+        ``src_pages`` unchanged until ``finish``/``abort``: its descriptors are built once per
+        request and list object."""
+        if not self.async_post:
+            with self._lock:
+                p = self._reqs.get(request_id)
+            if p is not None:
+                self._post_layer(p, layer, src_pages, ready_event)
+            return
         with self._lock:
             p = self._reqs.get(request_id)
-            if p is None or p.state not in (TransferState.READY, TransferState.SENDING):
-                return  # aborted or failed meanwhile: the engine finds out in finish()
+            if p is None or p.closing or p.state not in (TransferState.READY, TransferState.SENDING):
+                return  # aborted or failed meanwhile: the engine finds out in wait_layer/finish
+            if not self._poster or not self._poster.is_alive():
+                raise RuntimeError("PushProducer.layer_done: the poster thread is not running (stopped?)")
+            p.unposted.add(layer)
+            self._jobs.append((p, layer, src_pages, ready_event))
+            self._posted_cv.notify_all()
+
+    def _post_loop(self) -> None:
+        """The poster thread: for each queued layer, wait for its event, build and post its WRITE."""
+        while True:
+            with self._lock:
+                while not self._jobs and not self._stop.is_set():
+                    self._posted_cv.wait()
+                if not self._jobs:
+                    return
+                p, layer, src_pages, event = self._jobs.popleft()
+            try:
+                self._post_layer(p, layer, src_pages, event)
+            except Exception as e:  # noqa: BLE001 - the request fails; the engine sees it in wait_layer/finish
+                log.exception("posting layer %d of %s failed", layer, p.request_id)
+                with self._lock:
+                    self._fail(p, f"WRITE of layer {layer} could not start: {type(e).__name__}: {e}", keep=True)
+            finally:
+                with self._lock:
+                    p.unposted.discard(layer)
+                    self._posted_cv.notify_all()
+
+    def _post_layer(self, p: _Push, layer: int, src_pages: Sequence[int], ready_event: Any) -> None:
+        with self._lock:
+            if p.closing or p.state not in (TransferState.READY, TransferState.SENDING):
+                return
             reg = p.reg
         assert reg is not None
         if ready_event is not None:
             ready_event.synchronize()
-        first = reg.first_token // self.geometry.block_size
-        last = self.pool.blocks_needed(reg.num_tokens)
-        src_addr = self.pool.kv.data_ptr() + np.asarray(src_pages[first:last], dtype=np.int64) * self.geometry.page_bytes
-        dst_addr = reg.layer_addrs[layer] + np.asarray(reg.block_ids[first:last], dtype=np.int64) * reg.block_stride
-        src, dst = coalesced_descs(src_addr, dst_addr, self.geometry.page_bytes,
-                                   device_id_of(self.pool.kv), reg.device_id)
+        src, dst = self._layer_descs(p, reg, layer, src_pages)
         t = time.monotonic()
         with self._lock:
-            if p.state.is_terminal:
-                return
+            if p.closing or p.state.is_terminal:
+                return  # an abort/cancel/failure came meanwhile: it waits for the WRITEs in p.handles only
             try:
                 assert self._agent is not None
                 h = self._agent.post("WRITE", src, dst, p.remote,
                                      mem_type_of(self.pool.kv), reg.mem_type,
-                                     notif=wire.done_notif(request_id, layer))
+                                     notif=wire.done_notif(p.request_id, layer))
             except Exception as e:  # noqa: BLE001
-                self._fail(p, f"WRITE of layer {layer} could not start: {e}")
+                self._fail(p, f"WRITE of layer {layer} could not start: {e}", keep=True)
                 return
             p.handles[layer] = h
             p.state = TransferState.SENDING
             p.layer_times.append((layer, t, 0.0))
         self._stats.add(bytes_offered_total=int(src[:, 1].sum()))
 
+    def _layer_descs(self, p: _Push, reg: wire.Register, layer: int,
+                     src_pages: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Coalesced (src, dst) descriptors of one layer. The runs depend only on the pages and the
+        decode's block ids, not on the layer: built once per request and staging slot (the page
+        list object), then each layer only adds its base address on the decode."""
+        cached = p.descs.get(id(src_pages))
+        if cached is None or cached[0] is not src_pages:
+            first = reg.first_token // self.geometry.block_size
+            last = self.pool.blocks_needed(reg.num_tokens)
+            src_addr = (self.pool.kv.data_ptr()
+                        + np.asarray(src_pages[first:last], dtype=np.int64) * self.geometry.page_bytes)
+            dst_off = np.asarray(reg.block_ids[first:last], dtype=np.int64) * reg.block_stride
+            src, dst_rel = coalesced_descs(src_addr, dst_off, self.geometry.page_bytes,
+                                           device_id_of(self.pool.kv), reg.device_id)
+            cached = p.descs[id(src_pages)] = (src_pages, src, dst_rel)
+        dst = cached[2].copy()
+        dst[:, 0] += np.uint64(reg.layer_addrs[layer])
+        return cached[1], dst
+
+    def _wait_posted(self, request_id: str, pending, timeout_s: float | None = None) -> None:
+        """Block until ``pending(p)`` is false: the poster has handled those layers. A request gone
+        meanwhile returns at once; past the timeout the request fails (nothing more is posted)."""
+        limit = timeout_s or self.transfer_timeout_s
+        deadline = time.monotonic() + limit
+        with self._lock:
+            while True:
+                p = self._reqs.get(request_id)
+                if p is None or not pending(p):
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    p.closing = True
+                    self._drop_jobs(p)
+                    self._fail(p, f"layers {sorted(p.unposted)} not posted within {limit:.0f} s "
+                                  "(their K/V never became ready?)", keep=True)
+                    return
+                self._posted_cv.wait(left)
+
+    def _drop_jobs(self, p: _Push) -> None:
+        """(lock held) Remove the request's queued layers (the one being posted, if any, stays:
+        it checks ``closing`` under the lock before posting)."""
+        kept = deque(j for j in self._jobs if j[0] is not p)
+        for j in self._jobs:
+            if j[0] is p:
+                p.unposted.discard(j[1])
+        self._jobs = kept
+        self._posted_cv.notify_all()
+
     def wait_layer(self, request_id: str, layer: int) -> None:
-        """Block until layer ``layer``'s WRITE is done (staging slot reuse). Raises on failure."""
+        """Block until layer ``layer`` is posted and its WRITE is done (staging slot reuse).
+        Raises on failure."""
+        self._wait_posted(request_id, lambda p: layer in p.unposted)
         self._wait(request_id, lambda p: [layer] if layer in p.handles else [])
 
     def finish(self, request_id: str, timeout_s: float | None = None) -> dict[str, Any]:
         """Wait for every WRITE of the request; RELEASED. Raises TransferError / RequestCancelled
         if the transfer failed or was aborted (no WRITE is in flight when it raises)."""
+        self._wait_posted(request_id, lambda p: bool(p.unposted), timeout_s)
         self._wait(request_id, lambda p: list(p.handles), timeout_s)
         with self._lock:
             p = self._reqs.get(request_id)
@@ -262,11 +368,14 @@ class PushProducer:
         return {"layer_times": times}
 
     def abort(self, request_id: str, reason: str = "aborted by the prefill server") -> bool:
-        """Stop the request: wait for in-flight WRITEs, tell a registered decode it failed."""
+        """Stop the request: drop its queued layers (nothing more is posted), wait for in-flight
+        WRITEs, tell a registered decode it failed."""
         with self._lock:
             p = self._reqs.get(request_id)
             if p is None:
                 return False
+            p.closing = True
+            self._drop_jobs(p)
         try:
             self._wait(request_id, lambda q: list(q.handles), self.transfer_timeout_s, raise_errors=False)
         finally:
@@ -417,6 +526,9 @@ class PushProducer:
         # the in-flight WRITEs (bounded by transfer_timeout_s) before acknowledging.
         with self._lock:
             p = self._reqs.get(msg.request_id)
+            if p is not None:
+                p.closing = True
+                self._drop_jobs(p)
             if p is not None and not p.state.is_terminal:
                 p.error = "cancelled by the decode"
                 p.state = TransferState.ABORTED

@@ -19,9 +19,10 @@ Transfer variants (same length and density):
 - ``none``: the pull path, no transfer (K/V into the pool, blocks freed at once): the baseline;
 - ``null-push``: the push path (staging slots, the per-layer wait for the layer's K/V) with a
   producer that sends nothing: what the push path costs by itself;
-- ``nixl``: the engine's ``PushProducer`` -> receiver process, as committed;
-- ``nixl-async``: the same producer with ``layer_done`` handed to a worker thread (a prototype, in
-  this file, of a proposed engine change: the forward's thread never waits for the GPU to post);
+- ``nixl``: the engine's ``PushProducer`` -> receiver process (each layer's WRITE posted on the
+  producer's poster thread once the layer's event completes: the forward's thread never waits);
+- ``nixl-sync``: the same producer with ``async_post = False``: the forward's thread waits for the
+  layer's event and posts the WRITE itself (the producer before the poster thread, for comparison);
 - ``copy`` (when NIXL is not importable): the same bytes copied to pinned host memory on a side CUDA
   stream, ordered by events: the lower bound of what hiding the transfer can cost.
 
@@ -45,8 +46,7 @@ import torch
 from prefill_server.bench.attention import fixed_mask
 from prefill_server.bench.e2e import (DropProducer, _sync, _version, bench_args, drive, model_args,
                                       model_config, random_model)
-from prefill_server.bench.stream_transfer import (SECRET, CopyPush, NullPush, ReceiverProc,
-                                                  async_push_class)
+from prefill_server.bench.stream_transfer import SECRET, CopyPush, NullPush, ReceiverProc
 from prefill_server.engine.engine import Engine
 from prefill_server.engine.kv_pool import KVPool
 from prefill_server.engine.runner import ModelRunner
@@ -182,7 +182,7 @@ def _check_streamed(engines, pool, receiver, cfg, n, device, sparse, seed) -> di
     layers = sorted({0, 1, cfg.num_layers - 1})
     runner = engines["none"].runner
     runner.sparse = engines["nixl"].runner.sparse = sparse
-    engines["nixl"].producer.async_post = False
+    engines["nixl"].producer.async_post = True
     seq = Sequence(PrefillRequest("check-pull", ids), None)
     seq.block_ids = pool.allocate(pool.blocks_needed(n))
     try:
@@ -215,12 +215,12 @@ def parse_args(argv):
     ap.add_argument("--lengths", default="131072", help="lengths timed without transfer and streamed")
     ap.add_argument("--densities", default="0.01,0.02,0.05", help="fixed kernel densities, no-transfer runs")
     ap.add_argument("--stream-density", type=float, default=0.02, help="fixed density of the transfer variants")
-    ap.add_argument("--variants", default="null-push,nixl,nixl-async", help="transfer variants at --lengths")
+    ap.add_argument("--variants", default="null-push,nixl,nixl-sync", help="transfer variants at --lengths")
     ap.add_argument("--estimator-lengths", default="131072",
                     help="lengths also run with the estimator's own selection (default settings)")
     ap.add_argument("--estimator-variant", default="nixl", help="transfer variant of those runs")
     ap.add_argument("--long", default="1048576", help="lengths run streamed only (the KV cannot be resident)")
-    ap.add_argument("--long-runs", default="nixl-async:0,nixl:1",
+    ap.add_argument("--long-runs", default="nixl:0,nixl:1",
                     help="variant:dense_first_layers for each --long run, in order")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--receiver-device", default="", help="receiver caches on (default: --device)")
@@ -283,10 +283,11 @@ def run(args) -> dict:
         "command": "prefill-server bench e2e stream " + " ".join(args.argv),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "cuda": torch.version.cuda, "triton": _version("triton"),
-        "nixl": _dist_version("nixl-cu12"), "preset": args.preset, "dtype": args.dtype,
+        "nixl": {d: _dist_version(d) for d in ("nixl-cu12", "nixl-cu13")}, "preset": args.preset, "dtype": args.dtype,
         "block_size": args.block_size, "sparse_config": dataclasses.asdict(scfg),
         "kernel_sha1": {f: _file_sha(os.path.join(kdir, f)) for f in ("api.py", "kernel.py", "estimate.py")},
-        "ucx_tls": os.environ.get("UCX_TLS", "(default)"),
+        "env": {k: os.environ.get(k, "(unset)") for k in ("UCX_TLS", "UCX_MEMTYPE_CACHE", "UCX_MODULE_DIR",
+                                                          "PYTORCH_CUDA_ALLOC_CONF", "NIXL_CUDA_MAJOR")},
         "targets": {"ttft_128k_s": TARGET_128K_S, "ttft_1m_s": TARGET_1M_S,
                     "stream_over_no_transfer_128k": TARGET_STREAM_RATIO}},
         "runs": [], "errors": {}, "skipped": []}
@@ -329,10 +330,11 @@ def run(args) -> dict:
         geometry = wire.Geometry(model_fingerprint=FINGERPRINT.format(preset=args.preset),
                                  num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                                  block_size=bs, dtype=args.dtype)
-        producer = async_push_class(PushProducer)(stage, geometry, SECRET.encode(), register_timeout_s=60,
-                                                  transfer_timeout_s=120)
+        producer = PushProducer(stage, geometry, SECRET.encode(), register_timeout_s=60, transfer_timeout_s=120)
         producer.start()  # creates the NIXL agent, registers the staging pool
-        engines["nixl"] = engines["nixl-async"] = engine(stage, producer)
+        import nixl._api as _nixl_api
+        res["meta"]["nixl_module"] = getattr(_nixl_api.nixl_agent, "__module__", "?")
+        engines["nixl"] = engines["nixl-sync"] = engine(stage, producer)
         rdev = args.receiver_device or device.type
         receiver = ReceiverProc(geometry, nb(min(args.ring_tokens, push_len)), rdev)
         res["meta"]["receiver"] = {"device": rdev, "cache_gib": receiver.info["cache_gib"],
@@ -354,7 +356,7 @@ def run(args) -> dict:
     def one(variant, n, sparse, tag, seed, note=""):
         engines[variant].runner.sparse = sparse
         if variant.startswith("nixl"):
-            engines[variant].producer.async_post = variant == "nixl-async"
+            engines[variant].producer.async_post = variant != "nixl-sync"
         rid = f"{tag}-{variant}-{n}-{seed}"
         r = timed_request(engines, variant, n, rid, _ids(cfg, n, seed), device, receiver)
         r.update(mode=sparse.label, tag=tag, dense_first_layers=sparse.config.dense_first_layers,
@@ -435,9 +437,9 @@ def run(args) -> dict:
         for variant, dfl in args.long_runs:
             sp = BenchSparse(dataclasses.replace(scfg, dense_first_layers=dfl), args.stream_density, args.seed)
             scale = n / max(args.lengths or [n])
-            # (the 128K time scaled, the dense first layer ~0.25 s x scale^2, and for the engine as
-            # committed ~45 ms of host time per 128K tokens per layer spent posting while the GPU idles)
-            predicted = base * scale * 1.3 + dfl * 0.25 * scale ** 2 + (1.5 * scale if variant == "nixl" else 0)
+            # (the 128K time scaled, the dense first layer ~0.25 s x scale^2, and when posting on the
+            # forward's thread ~45 ms of host time per 128K tokens per layer while the GPU idles)
+            predicted = base * scale * 1.3 + dfl * 0.25 * scale ** 2 + (1.5 * scale if variant == "nixl-sync" else 0)
             if not fits(f"{variant}-{n}-dfl{dfl}", predicted):
                 continue
 

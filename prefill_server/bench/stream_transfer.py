@@ -1,8 +1,9 @@
 """The transfer variants of ``bench e2e stream`` (see its docstring): producers that stand in for
 the engine's ``PushProducer`` (``NullPush``: the push path sending nothing; ``CopyPush``: the same
-bytes copied to pinned host memory on a side CUDA stream), ``async_push_class`` (the prototype of a
-proposed engine change: ``layer_done`` off the forward's thread), and ``ReceiverProc``, the
-receiving ``PushReceiver`` in a subprocess (``bench/stream_receiver.py``).
+bytes copied to pinned host memory on a side CUDA stream), and ``ReceiverProc``, the receiving
+``PushReceiver`` in a subprocess (``bench/stream_receiver.py``). (The prototype of posting off the
+forward's thread that lived here is now ``PushProducer`` itself; ``async_post = False`` is the old
+behaviour.)
 """
 from __future__ import annotations
 
@@ -111,65 +112,6 @@ class CopyPush(NullPush):
             self.wait_layer(request_id, layer)
         self._idx.clear()
         return super().finish(request_id)
-
-
-def async_push_class(base):
-    """``base`` (PushProducer) whose ``layer_done`` only queues the layer: a worker thread waits for
-    its CUDA event and posts the WRITE, so the forward's thread never waits for the GPU (the GPU's
-    queue never drains at a layer boundary). ``async_post = False`` restores ``base`` exactly."""
-
-    class AsyncPush(base):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            self.async_post = True
-            self._jobs: queue.Queue = queue.Queue()
-            self._posted: dict[str, set[int]] = {}
-            self._cv = threading.Condition()
-            self._worker: threading.Thread | None = None
-
-        def start(self) -> None:
-            super().start()
-            if self._worker is None:
-                self._worker = threading.Thread(target=self._work, name="bench-layer-post", daemon=True)
-                self._worker.start()
-
-        def stop(self) -> None:
-            self._jobs.put(None)
-            super().stop()
-
-        def layer_done(self, request_id, layer, src_pages, ready_event=None) -> None:
-            if not self.async_post:
-                return base.layer_done(self, request_id, layer, src_pages, ready_event)
-            self._jobs.put((request_id, layer, src_pages, ready_event))
-
-        def _work(self) -> None:
-            while (job := self._jobs.get()) is not None:
-                rid, layer = job[0], job[1]
-                try:
-                    base.layer_done(self, *job)
-                finally:
-                    with self._cv:
-                        self._posted.setdefault(rid, set()).add(layer)
-                        self._cv.notify_all()
-
-        def _until_posted(self, rid, layers) -> None:
-            with self._cv:
-                self._cv.wait_for(lambda: set(layers) <= self._posted.get(rid, set()),
-                                  timeout=self.transfer_timeout_s)
-
-        def wait_layer(self, request_id, layer) -> None:
-            if self.async_post:
-                self._until_posted(request_id, [layer])
-            base.wait_layer(self, request_id, layer)
-
-        def finish(self, request_id, timeout_s=None) -> dict:
-            if self.async_post:
-                self._until_posted(request_id, range(self.geometry.num_layers))
-            with self._cv:
-                self._posted.pop(request_id, None)
-            return base.finish(self, request_id, timeout_s)
-
-    return AsyncPush
 
 
 # ---- the receiver process ----

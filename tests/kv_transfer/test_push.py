@@ -3,6 +3,7 @@
 The vLLM end of it is covered in tests/e2e/test_connector_pipeline.py."""
 from __future__ import annotations
 
+import threading
 import time
 
 import msgspec
@@ -297,3 +298,114 @@ def test_push_producer_is_a_streaming_producer(setup):
     from kv_transfer.base import StreamingKVProducer
 
     assert isinstance(setup.producer, StreamingKVProducer)
+
+
+# ---- posting off the caller's thread (the producer driven directly, no engine forward) ----
+class GatedEvent:
+    """Stands in for a layer's CUDA event: ``synchronize`` blocks until ``go`` is set (the GPU still
+    computing that layer), then raises if ``fail`` (a device fault)."""
+
+    def __init__(self, fail: bool = False):
+        self.go, self.waited, self.fail = threading.Event(), threading.Event(), fail
+
+    def synchronize(self) -> None:
+        self.waited.set()
+        assert self.go.wait(30)
+        if self.fail:
+            raise RuntimeError("device fault while computing the layer")
+
+
+def _registered(setup, rid, n=64):
+    """A push request the test's receiver registered for (decode blocks 0..), and its pages."""
+    p = setup.producer.expect(rid, n)[PARAMS_KEY]
+    blocks = list(range(-(-n // BS)))
+    setup.receiver.register(p["host"], p["port"], rid, blocks, 0, n)
+    assert setup.producer.wait_ready(rid, 20)
+    return blocks, [10 + b for b in blocks]  # flat pool pages (layer 0's region) holding the K/V
+
+
+def test_layer_done_returns_before_the_layer_is_ready_and_wait_layer_waits_for_the_post(setup, loaded):
+    L = loaded.config.num_layers
+    blocks, pages = _registered(setup, "as1")
+    flat = setup.pool.kv.view(-1, *setup.pool.kv.shape[2:])
+    flat[pages] = torch.randn(len(pages), *flat.shape[1:])
+    ev = GatedEvent()
+    t0 = time.monotonic()
+    setup.producer.layer_done("as1", 0, pages, ev)
+    assert time.monotonic() - t0 < 0.5  # queued: the caller did not wait for the event
+    assert ev.waited.wait(10)  # the poster waits for it instead
+    waiter = threading.Thread(target=setup.producer.wait_layer, args=("as1", 0))
+    waiter.start()
+    time.sleep(0.2)
+    assert waiter.is_alive() and setup.producer.state("as1") is TransferState.READY  # nothing posted yet
+    for layer in range(1, L):  # queued behind layer 0, posted in order once it is
+        setup.producer.layer_done("as1", layer, pages, None)
+    ev.go.set()
+    waiter.join(10)
+    assert not waiter.is_alive()
+    out = setup.producer.finish("as1")
+    assert [t[0] for t in out["layer_times"]] == list(range(L))
+    assert setup.wait("as1") == "done"
+    for layer in range(L):
+        torch.testing.assert_close(setup.caches[layer][blocks], flat[pages])
+    assert setup.producer.num_active == 0
+
+
+def test_abort_drops_queued_layers_and_posts_nothing_after(setup, loaded):
+    L = loaded.config.num_layers
+    _, pages = _registered(setup, "ad1")
+    ev = GatedEvent()
+    offered = setup.producer.stats().bytes_offered_total
+    setup.producer.layer_done("ad1", 0, pages, ev)  # the poster is held on layer 0's event
+    for layer in range(1, L):
+        setup.producer.layer_done("ad1", layer, pages, None)
+    assert ev.waited.wait(10)
+    t0 = time.monotonic()
+    assert setup.producer.abort("ad1")
+    assert time.monotonic() - t0 < 2.0  # did not wait for the held event nor post the queued layers
+    ev.go.set()  # the layer the poster held is not posted either
+    assert "prefill server failed" in setup.wait("ad1")
+    time.sleep(0.2)
+    assert setup.producer.stats().bytes_offered_total == offered
+    assert setup.producer.num_active == 0 and setup.producer.state("ad1") is TransferState.ABORTED
+    # the poster serves the next request
+    _, pages = _registered(setup, "ad2")
+    for layer in range(L):
+        setup.producer.layer_done("ad2", layer, pages, None)
+    setup.producer.finish("ad2")
+    assert setup.wait("ad2") == "done"
+
+
+def test_a_failure_while_posting_surfaces_in_wait_layer_and_finish(setup, loaded):
+    L = loaded.config.num_layers
+    _, pages = _registered(setup, "pf1")
+    setup.producer.layer_done("pf1", 0, pages, None)
+    bad = GatedEvent(fail=True)
+    bad.go.set()
+    setup.producer.layer_done("pf1", 1, pages, bad)
+    for layer in range(2, L):
+        setup.producer.layer_done("pf1", layer, pages, None)
+    with pytest.raises(TransferError, match="layer 1 could not start.*device fault"):
+        setup.producer.wait_layer("pf1", 1)
+    with pytest.raises(TransferError, match="device fault"):
+        setup.producer.finish("pf1")
+    assert "device fault" in setup.wait("pf1")  # the decode was told
+    setup.producer.abort("pf1")  # what the engine does after a failed finish
+    assert setup.producer.num_active == 0
+
+
+def test_synchronous_posting_still_works(loaded):
+    s = Setup(loaded)
+    try:
+        s.producer.async_post = False
+        ids = loaded.tokenizer.encode("Posted on the forward's thread. " * 20)
+        blocks = list(range(-(-len(ids) // BS)))
+        fut = s.run("sy1", ids, blocks)
+        assert s.wait("sy1") == "done"
+        fut.result(timeout=60)
+        _, attn = reference_kv(loaded, ids)
+        k, v = received(s.caches, 0, blocks, len(ids))
+        torch.testing.assert_close(k, attn.keys[0], rtol=1e-4, atol=1e-4)
+        assert s.pool.num_used == 0 and s.producer.num_active == 0
+    finally:
+        s.close()
