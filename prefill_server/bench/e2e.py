@@ -231,27 +231,33 @@ class Floor:
                 "reps_ms": times}
 
 
-    def sustained(self, tokens: int, chunk: int, reps: int = 2) -> dict:
+    def sustained(self, tokens: int, chunk: int, reps: int = 2, attn_len: int = 0,
+                  attention: bool = True) -> dict:
         """The floor's work run back to back as a forward runs it (per layer: the projections on
         ``chunk``-row pieces, cuDNN attention at ``tokens``), nothing else: what the mandatory GEMMs
         and attention cost at the clocks the GPU holds under sustained load (its power cap), where
-        the per-op floor above times each op in a short burst."""
+        the per-op floor above times each op in a short burst. ``attn_len``: a batched step's
+        ``tokens`` are ``tokens // attn_len`` prompts of ``attn_len`` (one attention call each);
+        ``attention=False``: the GEMMs alone."""
         c, dev, dt, g = self.cfg, self.device, self.dtype, self.g
         (_, wqkv), (_, wo), (_, wgu), (_, wd) = layer_gemms(self.model)
         rows = min(chunk, tokens)
         xs = [_randn((rows, w.shape[1]), dev, dt, g) for w in (wqkv, wo, wgu, wd)]
-        q = _randn((tokens, c.num_heads, c.head_dim), dev, dt, g)
-        k = _randn((tokens, c.num_kv_heads, c.head_dim), dev, dt, g)
-        v = _randn((tokens, c.num_kv_heads, c.head_dim), dev, dt, g)
+        alen = attn_len or tokens
+        q = _randn((alen, c.num_heads, c.head_dim), dev, dt, g)
+        k = _randn((alen, c.num_kv_heads, c.head_dim), dev, dt, g)
+        v = _randn((alen, c.num_kv_heads, c.head_dim), dev, dt, g)
         qh, kh, vh = (z.transpose(0, 1)[None] for z in (q, k, v))
         n_chunks = (tokens + rows - 1) // rows
+        n_attn = max(1, tokens // alen) if attention else 0
 
         def forward():
             for _ in range(c.num_layers):
                 for _ in range(n_chunks):
                     F.linear(xs[0], wqkv)
-                F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=c.head_dim ** -0.5,
-                                               enable_gqa=c.num_heads != c.num_kv_heads)
+                for _ in range(n_attn):
+                    F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=c.head_dim ** -0.5,
+                                                   enable_gqa=c.num_heads != c.num_kv_heads)
                 for _ in range(n_chunks):
                     F.linear(xs[1], wo)
                     F.linear(xs[2], wgu)
@@ -262,7 +268,8 @@ class Floor:
                 ms, times = time_ms(forward, dev, reps)
         else:
             ms, times = time_ms(forward, dev, reps)
-        return {"tokens": tokens, "rows": rows, "ms": ms, "reps_ms": times}
+        return {"tokens": tokens, "rows": rows, "attn_len": alen, "attn_calls_per_layer": n_attn, "ms": ms,
+                "reps_ms": times}
 
 
 def matmul_peak(device, dtype, n: int, reps: int) -> dict:
@@ -439,16 +446,18 @@ def _category(name: str) -> str:
     return "other_elementwise"
 
 
-def profile_prefill(engine: Engine, cfg: ModelConfig, tokens: int, device) -> dict:
-    """One prefill under torch.profiler: GPU time per kernel category and the top kernels."""
+def profile_prefill(engine: Engine, cfg: ModelConfig, tokens: int, device, requests: int = 1) -> dict:
+    """``requests`` prefills of ``tokens`` (one engine run) under torch.profiler: GPU time per
+    kernel category and the top kernels."""
     from torch.profiler import ProfilerActivity, profile
     from torch.autograd import DeviceType
-    req = PrefillRequest("profile", tuple(torch.randint(0, cfg.vocab_size, (tokens,)).tolist()))
+    reqs = [PrefillRequest(f"profile-{i}", tuple(torch.randint(0, cfg.vocab_size, (tokens,)).tolist()))
+            for i in range(requests)]
     _sync(device)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     t0 = time.perf_counter()
     with profile(activities=acts) as prof:
-        drive(engine, [req])
+        drive(engine, reqs)
         _sync(device)
     wall_ms = (time.perf_counter() - t0) * 1e3
     kernels = []
@@ -469,7 +478,7 @@ def profile_prefill(engine: Engine, cfg: ModelConfig, tokens: int, device) -> di
     for r in kernels:
         cats[r["category"]] = cats.get(r["category"], 0.0) + r["ms"]
     busy = sum(cats.values())
-    return {"tokens": tokens, "wall_ms_with_profiler": wall_ms, "gpu_busy_ms": busy,
+    return {"tokens": tokens, "requests": requests, "wall_ms_with_profiler": wall_ms, "gpu_busy_ms": busy,
             "by_category_ms": dict(sorted(cats.items(), key=lambda kv: -kv[1])), "top_kernels": kernels[:20],
             "table": text}
 
@@ -505,11 +514,21 @@ def throughput_run(engine: Engine, cfg: ModelConfig, n: int, tokens: int, device
             for i in range(n)]
     _sync(device)
     t0 = time.perf_counter()
-    res = drive(engine, reqs)
+    futs = [engine.submit(r) for r in reqs]
+    steps = []  # (tokens, host time scheduling, step wall time incl. the first-token sync)
+    while engine.scheduler.has_work():
+        a = time.perf_counter()
+        chunks, timed_out = engine.scheduler.schedule()
+        assert not timed_out and chunks, "the bench pool is too small for its requests"
+        b = time.perf_counter()
+        engine.step(chunks)
+        steps.append((sum(c.end - c.start for c in chunks), b - a, time.perf_counter() - b))
+    res = [f.result(timeout=0) for f in futs]
     wall = time.perf_counter() - t0
     ttfts = sorted(r.timings.total_s for r in res)
     return {"requests": n, "tokens_each": tokens, "token_budget": engine.scheduler.token_budget, "wall_s": wall,
-            "tokens_per_s": n * tokens / wall, "ttft_p50_s": ttfts[len(ttfts) // 2], "ttft_max_s": ttfts[-1]}
+            "tokens_per_s": n * tokens / wall, "ttft_p50_s": ttfts[len(ttfts) // 2], "ttft_max_s": ttfts[-1],
+            "steps": [{"tokens": t, "schedule_s": s, "step_s": d} for t, s, d in steps]}
 
 
 def model_args(ap: argparse.ArgumentParser) -> None:
@@ -533,6 +552,11 @@ def parse_args(argv):
     ap.add_argument("--profile-len", type=int, default=0, help="profile one prefill of this length (0 = skip)")
     ap.add_argument("--throughput", default="64x8192", help="NxL concurrent requests ('' = skip)")
     ap.add_argument("--token-budget", type=int, default=65536, help="token budget for the throughput run")
+    ap.add_argument("--throughput-floor", action="store_true",
+                    help="also time one throughput step's floor work back to back (GEMMs at the chunk rows on "
+                    "--token-budget rows + one cuDNN call per prompt), with and without attention")
+    ap.add_argument("--profile-throughput", type=int, default=0,
+                    help="profile this many throughput-sized requests under the throughput engine (0 = skip)")
     ap.add_argument("--check-fp32", type=int, default=1,
                     help="on CUDA, also judge engine and eager bf16 paths against the model in float32 (1/0)")
     ap.add_argument("--compare-unfused", default="", help="lengths also timed with the fused kernels off")
@@ -694,7 +718,25 @@ def run(args) -> dict:
                      attention_floor_s=n * floor[str(l)]["attention"]["ms"] / 1e3,
                      pass_target=lin_ms / 1e3 / r["wall_s"] >= TARGET_THROUGHPUT)
         res["throughput"] = r
-        log("throughput", r)
+        log("throughput", {k: v for k, v in r.items() if k != "steps"})
+        if args.throughput_floor and not args.skip_floor:
+            mark("throughput_floor")
+            step_tokens = (args.token_budget // l) * l
+            n_steps = n * l / step_tokens
+            both = fl.sustained(step_tokens, chunk, attn_len=l)
+            gemms = fl.sustained(step_tokens, chunk, attention=False)
+            r["step_floor"] = {"step_tokens": step_tokens, "steps": n_steps, "sustained": both,
+                               "sustained_gemms_only": gemms,
+                               "sustained_floor_s": both["ms"] * n_steps / 1e3,
+                               "sustained_linear_s": gemms["ms"] * n_steps / 1e3}
+            if floor:
+                r["step_floor"]["of_linear_floor_if_at_sustained_floor"] = lin_ms / both["ms"] / n_steps
+            log("throughput step floor", {k: v for k, v in r["step_floor"].items() if not isinstance(v, dict)})
+        if args.profile_throughput:
+            mark("profile_throughput")
+            r["profile"] = profile_prefill(tp_engine, cfg, l, device, requests=args.profile_throughput)
+            log("profile throughput", json.dumps(r["profile"]["by_category_ms"]),
+                f"busy {r['profile']['gpu_busy_ms']:.0f} of {r['profile']['wall_ms_with_profiler']:.0f} ms")
     mark("end")
     res["meta"]["elapsed_s"] = time.perf_counter() - t_start
     return res
@@ -729,6 +771,15 @@ def table(res: dict) -> str:
         extra = f", {tp['of_linear_floor']:.0%} of the linear floor" if "of_linear_floor" in tp else ""
         lines.append(f"throughput {tp['requests']}x{tp['tokens_each']} (budget {tp['token_budget']}): "
                      f"{tp['wall_s']:.2f} s, {tp['tokens_per_s']:.0f} tok/s{extra}")
+        sf = tp.get("step_floor")
+        if sf:
+            lines.append(f"  its floor work back to back: {sf['sustained_floor_s']:.2f} s (GEMMs alone "
+                         f"{sf['sustained_linear_s']:.2f} s)")
+        if tp.get("profile"):
+            pr = tp["profile"]
+            lines.append(f"  profile of {pr['requests']} requests: GPU busy {pr['gpu_busy_ms']:.0f} of "
+                         f"{pr['wall_ms_with_profiler']:.0f} ms: " + ", ".join(
+                             f"{k} {v:.0f}" for k, v in pr["by_category_ms"].items()))
     if "matmul_peak" in res:
         lines.append(f"matmul {res['matmul_peak']['n']}^3: {res['matmul_peak']['tflops']:.0f} TFLOP/s")
     return "\n".join(lines)
