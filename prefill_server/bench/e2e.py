@@ -555,6 +555,9 @@ def parse_args(argv):
     ap.add_argument("--throughput-floor", action="store_true",
                     help="also time one throughput step's floor work back to back (GEMMs at the chunk rows on "
                     "--token-budget rows + one cuDNN call per prompt), with and without attention")
+    ap.add_argument("--throughput-densities", default="",
+                    help="also run the throughput with sparse attention (default SparseConfig: layer 0 dense, the "
+                    "estimator runs) whose kernel computes a fixed mask of each density, e.g. 0.3,0.5")
     ap.add_argument("--profile-throughput", type=int, default=0,
                     help="profile this many throughput-sized requests under the throughput engine (0 = skip)")
     ap.add_argument("--check-fp32", type=int, default=1,
@@ -576,6 +579,7 @@ def parse_args(argv):
     args.lengths, args.compare_unfused = ints(args.lengths), ints(args.compare_unfused)
     args.compare_chunk_lengths = ints(args.compare_chunk_lengths) if args.compare_chunk else []
     args.sustained_floor = ints(args.sustained_floor)
+    args.throughput_densities = [float(x) for x in args.throughput_densities.split(",") if x.strip()]
     args.tp = None
     if args.throughput:
         n, l = args.throughput.lower().split("x")
@@ -732,6 +736,26 @@ def run(args) -> dict:
             if floor:
                 r["step_floor"]["of_linear_floor_if_at_sustained_floor"] = lin_ms / both["ms"] / n_steps
             log("throughput step floor", {k: v for k, v in r["step_floor"].items() if not isinstance(v, dict)})
+        if args.throughput_densities:
+            from prefill_server.bench.stream import BenchSparse  # (it imports this module)
+            r["sparse"] = []
+            for d in args.throughput_densities:
+                mark(f"throughput_sparse_{d:g}")
+                sp = BenchSparse(density=d, seed=args.seed)
+                sp.prepare(l, cfg.num_kv_heads, cfg.head_dim, device)
+                tp_engine.runner.sparse = sp
+                try:
+                    drive(tp_engine, [PrefillRequest("tp-sparse-warmup", tuple(range(1, l + 1)))])
+                    rs = throughput_run(tp_engine, cfg, n, l, device, args.seed + 8)
+                finally:
+                    tp_engine.runner.sparse = None
+                rs.update(kernel_density=sp.mask_density.get(l), mode=sp.label,
+                          dense_first_layers=sp.config.dense_first_layers)
+                sp.take_densities()
+                if floor:
+                    rs["of_linear_floor"] = lin_ms / 1e3 / rs["wall_s"]
+                r["sparse"].append(rs)
+                log("throughput sparse", {k: v for k, v in rs.items() if k != "steps"})
         if args.profile_throughput:
             mark("profile_throughput")
             r["profile"] = profile_prefill(tp_engine, cfg, l, device, requests=args.profile_throughput)
@@ -771,6 +795,9 @@ def table(res: dict) -> str:
         extra = f", {tp['of_linear_floor']:.0%} of the linear floor" if "of_linear_floor" in tp else ""
         lines.append(f"throughput {tp['requests']}x{tp['tokens_each']} (budget {tp['token_budget']}): "
                      f"{tp['wall_s']:.2f} s, {tp['tokens_per_s']:.0f} tok/s{extra}")
+        for rs in tp.get("sparse", []):
+            extra = f", {rs['of_linear_floor']:.0%} of the linear floor" if "of_linear_floor" in rs else ""
+            lines.append(f"  sparse attention, {rs['mode']}: {rs['wall_s']:.2f} s{extra}")
         sf = tp.get("step_floor")
         if sf:
             lines.append(f"  its floor work back to back: {sf['sustained_floor_s']:.2f} s (GEMMs alone "

@@ -3,7 +3,9 @@ process and a child each allocate 64 MiB with torch on the GPU and register it w
 agent; this one WRITEs its bytes into the child's (8 descriptors of 8 MiB) and the two compare
 SHA-256 digests. Prints one line `PROBE {json}`: ok, the stage reached, the error if any, the NIXL
 module loaded, the environment variables that matter. Run by scripts/gpu/e2e_stream_nixl.sh once
-per environment. PROBE_DEVICE=cpu: the same over DRAM (a smoke run anywhere).
+per environment. PROBE_DEVICE=cpu: the same over DRAM (a smoke run anywhere). PROBE_MB (64) sizes
+the buffers, PROBE_REPS (1) repeats the WRITE (each timed: the first includes UCX's connection and
+memory-handle setup), PROBE_DESCS (8) splits it.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import sys
 import time
 
 KEYS = ("NIXL_CUDA_MAJOR", "UCX_MEMTYPE_CACHE", "UCX_TLS", "UCX_MODULE_DIR", "PYTORCH_CUDA_ALLOC_CONF")
-N = 64 << 20
+N = int(os.environ.get("PROBE_MB", "64")) << 20
 
 
 def _buf(fill: bool):
@@ -77,12 +79,16 @@ def main() -> int:
         out["stage"] = "handshake"
         peer = a.add_remote(base64.b64decode(info["meta"]))
         out["stage"] = "write"
-        step = N // 8
-        src = np.array([(a_buf.data_ptr() + i * step, step, 0) for i in range(8)], dtype=np.uint64)
-        dst = np.array([(info["addr"] + i * step, step, 0) for i in range(8)], dtype=np.uint64)
-        t = time.perf_counter()
-        a.transfer("WRITE", src, dst, peer, mem, mem, notif=b"probe", timeout_s=30)
-        out["write_ms"] = (time.perf_counter() - t) * 1e3
+        nd = int(os.environ.get("PROBE_DESCS", "8"))
+        step = N // nd
+        src = np.array([(a_buf.data_ptr() + i * step, step, 0) for i in range(nd)], dtype=np.uint64)
+        dst = np.array([(info["addr"] + i * step, step, 0) for i in range(nd)], dtype=np.uint64)
+        out["mb"], out["descs"], out["write_ms"] = N >> 20, nd, []
+        for _ in range(int(os.environ.get("PROBE_REPS", "1"))):
+            t = time.perf_counter()
+            a.transfer("WRITE", src, dst, peer, mem, mem, notif=b"probe", timeout_s=60)
+            out["write_ms"].append(round((time.perf_counter() - t) * 1e3, 3))
+        out["gb_per_s_last"] = round(N / out["write_ms"][-1] / 1e6, 2)
         out["stage"] = "compare"
         proc.stdin.write("digest\n")
         proc.stdin.flush()

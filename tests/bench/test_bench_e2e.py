@@ -17,7 +17,8 @@ def test_tiny_run_writes_json(tmp_path):
     out = tmp_path / "e2e.json"
     rc = e2e.main(["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--lengths", "32,48",
                    "--reps", "1", "--floor-reps", "1", "--check-len", "24", "--throughput", "3x16",
-                   "--token-budget", "32", "--throughput-floor", "--profile-throughput", "2", "--out", str(out)])
+                   "--token-budget", "32", "--throughput-floor", "--profile-throughput", "2", "--throughput-densities", "0.5",
+                   "--out", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["meta"]["model"]["num_layers"] == 2 and not res["meta"]["fused_kernels"]
@@ -37,6 +38,8 @@ def test_tiny_run_writes_json(tmp_path):
     sf = tp["step_floor"]
     assert sf["step_tokens"] == 32 and sf["steps"] == 1.5 and sf["sustained"]["attn_calls_per_layer"] == 2
     assert sf["sustained_gemms_only"]["attn_calls_per_layer"] == 0 and sf["sustained_floor_s"] > 0
+    (sp,) = tp["sparse"]
+    assert sp["mode"] == "fixed-0.5" and sp["requests"] == 3 and sp["wall_s"] > 0 and "of_linear_floor" in sp
     assert tp["profile"]["requests"] == 2 and tp["profile"]["wall_ms_with_profiler"] > 0
 
 
