@@ -36,6 +36,17 @@ def _digest(buf) -> str:
     return hashlib.sha256(buf.cpu().numpy().tobytes()).hexdigest()
 
 
+def _answer(proc) -> dict:
+    """The child's next JSON line (UCX logs to stdout too: other lines are skipped)."""
+    for line in proc.stdout:
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    return {"error": "receiver: no answer"}
+
+
 def child() -> None:
     """The receiving process: register a zeroed buffer, print its metadata, digest on request."""
     from kv_transfer.nixl import NixlAgent
@@ -73,7 +84,7 @@ def main() -> int:
         out["stage"] = "receiver"
         proc = subprocess.Popen([sys.executable, __file__, "--child"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, text=True, bufsize=1)
-        info = json.loads(proc.stdout.readline() or '{"error": "receiver: no answer"}')
+        info = _answer(proc)
         if "error" in info:
             raise RuntimeError(info["error"])
         out["stage"] = "handshake"
@@ -92,7 +103,7 @@ def main() -> int:
         out["stage"] = "compare"
         proc.stdin.write("digest\n")
         proc.stdin.flush()
-        got = json.loads(proc.stdout.readline())["digest"]
+        got = _answer(proc).get("digest")
         out["ok"] = got == _digest(a_buf)
         a.close()
     except Exception as e:  # noqa: BLE001 - the point is to report it
