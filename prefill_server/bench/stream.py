@@ -23,6 +23,8 @@ Transfer variants (same length and density):
   producer's poster thread once the layer's event completes: the forward's thread never waits);
 - ``nixl-sync``: the same producer with ``async_post = False``: the forward's thread waits for the
   layer's event and posts the WRITE itself (the producer before the poster thread, for comparison);
+- ``nixl-reap``: ``nixl`` plus a bench thread that checks every in-flight WRITE's state each
+  millisecond (``stream_transfer.Reaper``: does a WRITE complete only when polled?);
 - ``copy`` (when NIXL is not importable): the same bytes copied to pinned host memory on a side CUDA
   stream, ordered by events: the lower bound of what hiding the transfer can cost.
 
@@ -46,7 +48,7 @@ import torch
 from prefill_server.bench.attention import fixed_mask
 from prefill_server.bench.e2e import (DropProducer, _sync, _version, bench_args, drive, model_args,
                                       model_config, random_model)
-from prefill_server.bench.stream_transfer import SECRET, CopyPush, NullPush, ReceiverProc
+from prefill_server.bench.stream_transfer import SECRET, CopyPush, NullPush, Reaper, ReceiverProc
 from prefill_server.engine.engine import Engine
 from prefill_server.engine.kv_pool import KVPool
 from prefill_server.engine.runner import ModelRunner
@@ -323,7 +325,7 @@ def run(args) -> dict:
         return Engine(ModelRunner(model, pl, cfg.head_dim, device), pl, producer, **mk)
 
     engines = {"none": engine(pool, DropProducer(pool)), "null-push": engine(stage, NullPush())}
-    receiver = None
+    receiver = reaper = None
     try:
         from kv_transfer import wire
         from kv_transfer.push import PushProducer
@@ -334,7 +336,8 @@ def run(args) -> dict:
         producer.start()  # creates the NIXL agent, registers the staging pool
         import nixl._api as _nixl_api
         res["meta"]["nixl_module"] = getattr(_nixl_api.nixl_agent, "__module__", "?")
-        engines["nixl"] = engines["nixl-sync"] = engine(stage, producer)
+        engines["nixl"] = engines["nixl-sync"] = engines["nixl-reap"] = engine(stage, producer)
+        reaper = Reaper(producer)
         rdev = args.receiver_device or device.type
         receiver = ReceiverProc(geometry, nb(min(args.ring_tokens, push_len)), rdev)
         res["meta"]["receiver"] = {"device": rdev, "cache_gib": receiver.info["cache_gib"],
@@ -357,6 +360,7 @@ def run(args) -> dict:
         engines[variant].runner.sparse = sparse
         if variant.startswith("nixl"):
             engines[variant].producer.async_post = variant != "nixl-sync"
+            reaper.enabled = variant == "nixl-reap"
         rid = f"{tag}-{variant}-{n}-{seed}"
         r = timed_request(engines, variant, n, rid, _ids(cfg, n, seed), device, receiver)
         r.update(mode=sparse.label, tag=tag, dense_first_layers=sparse.config.dense_first_layers,
@@ -453,6 +457,9 @@ def run(args) -> dict:
             sp._fixed.clear()
     if receiver is not None:
         receiver.close()
+    if reaper is not None:
+        res["meta"]["reaper_polls"] = reaper.polls
+        reaper.stop()
     for e in {id(x): x for x in engines.values()}.values():
         e.producer.stop()
     res["summary"] = summarize(res)

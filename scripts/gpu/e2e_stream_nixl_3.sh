@@ -5,6 +5,7 @@
 # default and that setting; (2) the streaming bench (128K: none / null-push / nixl / nixl-sync,
 # 1M: nixl) under that setting.
 #   WHL=../.whl bash scripts/gpu/e2e_stream_nixl_3.sh       (carry [".whl", <snapshot>])
+# Call 4: PROBES=0 VARIANTS=nixl,nixl-reap LONG_RUNS=nixl-reap:0 (the Reaper experiment).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 out=${OUT:-.devout}
@@ -16,7 +17,7 @@ export PYTHONPATH=/tmp/site:$PWD
 date -u +%FT%TZ
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu,power.draw,memory.used --format=csv,noheader
 tls=${STREAM_UCX_TLS:-cuda_ipc,cuda_copy,tcp,self}
-for env in "UCX_TLS_DEFAULT=1" "UCX_TLS=$tls"; do
+for env in $([ "${PROBES:-1}" = 1 ] && echo "UCX_TLS_DEFAULT=1 UCX_TLS=$tls"); do
   line=$(env $env PROBE_MB=512 PROBE_REPS=5 PROBE_DESCS=16 timeout 90 python3 scripts/gpu/nixl_vram_probe.py 2>/dev/null \
          | grep '^PROBE ')
   echo "$env ${line:-PROBE no answer}" | tee -a "$out/probes.jsonl"
@@ -26,8 +27,8 @@ nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,memory.used,clocks_event_r
 smi=$!
 date -u +%FT%TZ
 UCX_TLS=$tls timeout "${STREAM_TIMEOUT:-300}" python3 -m prefill_server.bench.stream --out "$out/stream.json" \
-  --lengths 131072 --densities 0.02 --estimator-lengths "" --variants null-push,nixl,nixl-sync --reps 3 \
-  --check-len 16384 --long 1048576 --long-runs nixl:0 2>&1 | tee "$out/stream.log" \
+  --lengths 131072 --densities 0.02 --estimator-lengths "" --variants "${VARIANTS:-null-push,nixl,nixl-sync}" \
+  --reps 3 --check-len 16384 --long 1048576 --long-runs "${LONG_RUNS:-nixl:0}" 2>&1 | tee "$out/stream.log" \
   | grep -v -e "NIXL INFO" -e "^\[receiver\]"
 echo "stream rc=$?"
 kill "$smi" 2>/dev/null

@@ -74,6 +74,7 @@ def test_tiny_streamed_run_writes_json(tmp_path):
     cmd = [sys.executable, "-m", "prefill_server.bench.e2e", "stream", "--preset", "tiny", "--device", "cpu",
            "--dtype", "float32", "--lengths", "256", "--densities", "0.3", "--stream-density", "0.3",
            "--estimator-lengths", "", "--long", "512", "--long-runs", "nixl:0", "--check-len", "128",
+           "--variants", "null-push,nixl,nixl-sync,nixl-reap",
            "--reps", "1", "--sparse", TINY, "--out", str(out)]
     # its own process: NIXL's UCX libraries stay out of this one (see scripts/test.sh)
     p = subprocess.run(cmd, env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True,
@@ -84,7 +85,8 @@ def test_tiny_streamed_run_writes_json(tmp_path):
     assert res["check"]["pass"] and res["check"]["k_rel_err_layer1"] == 0.0
     timed = [r for r in res["runs"] if r["tag"] == "timed"]
     assert {(r["variant"], r["tokens"]) for r in timed} == {
-        ("none", 256), ("null-push", 256), ("nixl", 256), ("nixl-sync", 256), ("nixl", 512)}
+        ("none", 256), ("null-push", 256), ("nixl", 256), ("nixl-sync", 256), ("nixl-reap", 256),
+        ("nixl", 512)}
     for r in timed:
         assert r["ttft_s"] > 0 and r["mode"] == "fixed-0.3" and 0.1 < r["kernel_density"] < 0.6
         if r["variant"].startswith("nixl"):
