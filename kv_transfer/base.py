@@ -38,6 +38,16 @@ Streaming push mode (our own vLLM connector ``kv_transfer.vllm.connector``; ``kv
     flight, so a prompt never needs its whole KV resident at once. The decode owns its own blocks
     throughout; after a Cancel it keeps them until the prefill acknowledged.
 
+Pull fallback in connector mode (the decode's Register asks for it; ``kv_transfer.pull``)::
+
+    EXPECTING --(Register{transfer_mode: pull})--> READY: the engine runs the prompt like a pull-mode
+        one (whole prompt in pool blocks, chunked), then producer.publish(rid, blocks, n)
+    LEASED --("ready" notification; the decode fetches a signed Offer, READs, and its READ carries
+        "psv1 read rid <token>")--> RELEASED;  lease deadline --> EXPIRED;  Cancel --> ABORTED
+
+    Ownership: as in pull mode above; a prefill-side abort after the Offer went out keeps the
+    blocks until that READ's notification or the deadline (the decode may be reading them).
+
 Everything version-specific (wire formats, hashes, notification syntax) lives in one module per
 pinned peer version (``kv_transfer/vllm/v0_32.py``, later ``kv_transfer/sglang/v0_5_23.py``).
 """

@@ -83,6 +83,20 @@ def block_descs(base_addrs: Sequence[int], block_bytes: int, block_stride: int,
     return np.asarray(rows, dtype=np.uint64).reshape(-1, 3)
 
 
+def memory_ranges(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+    """Disjoint (address, bytes) ranges covering every tensor's span, merged where they touch or
+    overlap (views of one storage are registered once)."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())))
+                    * t.element_size()) for t in tensors)
+    out: list[list[int]] = []
+    for lo, hi in spans:
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return [(lo, hi - lo) for lo, hi in out]
+
+
 class NixlAgent:
     """One NIXL agent. Not thread-safe by itself: use it from one thread at a time (a producer's
     service thread), or guard it with a lock."""
@@ -106,18 +120,16 @@ class NixlAgent:
 
     # ---- memory ----
     def register(self, tensor: torch.Tensor | Sequence[torch.Tensor]) -> None:
-        """Register the (contiguous) tensor(s), one region each. Once per agent: a pool is one
-        tensor; a vLLM decode's cache is one tensor per layer."""
+        """Register the memory the tensor(s) span, one region per disjoint range. Once per agent: a
+        pool is one tensor; a vLLM decode's cache is one view per layer, possibly strided (a
+        permuted page layout) or interleaved with the other layers' (block-outer layouts)."""
         if self._registered is not None:
             raise RuntimeError("NixlAgent.register: memory is already registered (register once)")
         tensors = [tensor] if isinstance(tensor, torch.Tensor) else list(tensor)
-        if not tensors or any(not t.is_contiguous() for t in tensors):
-            raise ValueError("NixlAgent.register: give one or more contiguous tensors")
+        if not tensors or any(t.numel() == 0 or min(t.stride()) < 0 for t in tensors):
+            raise ValueError("NixlAgent.register: give one or more non-empty tensors with non-negative strides")
         mem = mem_type_of(tensors[0])
-        seen: dict[int, int] = {}
-        for t in tensors:  # views of one storage: register the storage's range once
-            seen[t.data_ptr()] = max(seen.get(t.data_ptr(), 0), t.numel() * t.element_size())
-        region = [(ptr, n, device_id_of(tensors[0]), "") for ptr, n in sorted(seen.items())]
+        region = [(ptr, n, device_id_of(tensors[0]), "") for ptr, n in memory_ranges(tensors)]
         descs = self._agent.get_reg_descs(region, mem)
         self._agent.register_memory(descs, backends=self.backends)
         self._reg_descs, self._registered = descs, tensors[0]

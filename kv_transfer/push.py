@@ -25,6 +25,12 @@ Ownership: staging pages belong to the engine (it frees them once ``finish`` or 
 returns); this producer never frees pool blocks. It guarantees that once ``finish``/``abort``
 returns and once a Cancel is acknowledged, none of the request's WRITEs is still in flight, so
 neither side's blocks can be overwritten after they are reused.
+
+Pull fallback: a Register with ``transfer_mode="pull"`` makes the request an ordinary prefill
+(``wants_pull``); the engine then hands its blocks to ``publish`` and ``kv_transfer.pull.PullLeases``
+(sharing this side channel and NIXL agent) leases them until the decode has READ them.
+Page layouts: the decode names its own and gives its strides; ``kv_transfer.layout`` builds the
+descriptors for it.
 """
 from __future__ import annotations
 
@@ -41,9 +47,10 @@ import msgspec
 import numpy as np
 import zmq
 
-from kv_transfer import wire
+from kv_transfer import layout, wire
 from kv_transfer.base import ProducerStats, StatsCounter, TransferMode, TransferState
 from kv_transfer.nixl import NixlAgent, device_id_of, mem_type_of
+from kv_transfer.pull import PullLeases
 from prefill_server.engine.kv_pool import KVPool
 from prefill_server.errors import InvalidRequest, RequestCancelled, TransferError
 
@@ -57,15 +64,7 @@ def coalesced_descs(src_addr: np.ndarray, dst_addr: np.ndarray, page_bytes: int,
     """Nx3 (addr, len, dev) descriptor pairs for page i: src_addr[i] -> dst_addr[i], one
     descriptor per run of pages contiguous on BOTH sides (few large transfers instead of many
     page-sized ones)."""
-    n = len(src_addr)
-    if n == 0:
-        return np.zeros((0, 3), dtype=np.uint64), np.zeros((0, 3), dtype=np.uint64)
-    breaks = np.flatnonzero((np.diff(src_addr) != page_bytes) | (np.diff(dst_addr) != page_bytes)) + 1
-    starts = np.concatenate(([0], breaks))
-    lengths = np.diff(np.concatenate((starts, [n]))) * page_bytes
-    src = np.stack([src_addr[starts], lengths, np.full_like(lengths, src_dev)], axis=1).astype(np.uint64)
-    dst = np.stack([dst_addr[starts], lengths, np.full_like(lengths, dst_dev)], axis=1).astype(np.uint64)
-    return src, dst
+    return layout.descs(src_addr, dst_addr, np.array([[0, 0, page_bytes]], dtype=np.int64), src_dev, dst_dev)
 
 
 @dataclass
@@ -97,7 +96,8 @@ class PushProducer:
     def __init__(self, pool: KVPool, geometry: wire.Geometry, secret: bytes, *,
                  host: str = "127.0.0.1", port: int = 0, bind_host: str | None = None,
                  register_timeout_s: float = 60.0, transfer_timeout_s: float = 60.0,
-                 poll_interval_s: float = 0.002, keep_finished: int = 4096, async_post: bool = True):
+                 poll_interval_s: float = 0.002, keep_finished: int = 4096, async_post: bool = True,
+                 lease_ttl_s: float = 30.0):
         if len(secret) < 16:
             raise ValueError("the connector secret must have at least 16 bytes")
         self.pool, self.geometry, self.secret = pool, geometry, secret
@@ -116,6 +116,7 @@ class PushProducer:
         self._remotes: dict[str, bytes] = {}  # agent name -> metadata we loaded
         self._replay = wire.ReplayGuard()
         self._stats = StatsCounter()
+        self.pull = PullLeases(pool, lease_ttl_s, self._stats, self._ended)  # (pull fallback)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._agent: NixlAgent | None = None
@@ -160,6 +161,7 @@ class PushProducer:
         for rid in list(self._reqs):
             self.abort(rid)
         with self._lock:
+            self.pull.stop()  # leases still held end here
             self._stop.set()
             self._posted_cv.notify_all()
         for t in (self._thread, self._poster):
@@ -200,6 +202,24 @@ class PushProducer:
         with self._lock:
             p = self._reqs.get(request_id)
             return p is not None and p.state is TransferState.READY
+
+    def wants_pull(self, request_id: str) -> bool:
+        """The decode registered asking for the pull fallback: compute the prompt whole, then
+        ``publish`` its blocks."""
+        with self._lock:
+            p = self._reqs.get(request_id)
+            return p is not None and p.reg is not None and p.reg.transfer_mode == "pull"
+
+    def publish(self, request_id: str, block_ids: Sequence[int], num_tokens: int) -> None:
+        """Pull fallback: ``block_ids`` hold the prompt's KV; lease them to the decode and tell it.
+        Raises (leasing nothing; the caller still owns the blocks) if that cannot be done."""
+        with self._lock:
+            p = self._reqs.get(request_id)
+            if p is None or p.state is not TransferState.READY or not self.wants_pull(request_id):
+                raise TransferError(p.error if p is not None and p.error else
+                                    f"request {request_id} is not waiting for its decode to pull")
+            self.pull.publish(request_id, p.remote, list(block_ids), num_tokens, self._send_notif)
+            self._reqs.pop(request_id)
 
     def wait_ready(self, request_id: str, timeout_s: float) -> bool:
         with self._lock:
@@ -292,8 +312,9 @@ class PushProducer:
 
     def _layer_descs(self, p: _Push, reg: wire.Register, layer: int,
                      src_pages: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Coalesced (src, dst) descriptors of one layer. The runs depend only on the pages and the
-        decode's block ids, not on the layer: built once per request and staging slot (the page
+        """Coalesced (src, dst) descriptors of one layer, per the decode's page layout
+        (``kv_transfer.layout``). The runs depend only on the pages and the decode's block ids and
+        strides, not on the layer: built once per request and staging slot (the page
         list object), then each layer only adds its base address on the decode."""
         cached = p.descs.get(id(src_pages))
         if cached is None or cached[0] is not src_pages:
@@ -302,8 +323,10 @@ class PushProducer:
             src_addr = (self.pool.kv.data_ptr()
                         + np.asarray(src_pages[first:last], dtype=np.int64) * self.geometry.page_bytes)
             dst_off = np.asarray(reg.block_ids[first:last], dtype=np.int64) * reg.block_stride
-            src, dst_rel = coalesced_descs(src_addr, dst_off, self.geometry.page_bytes,
-                                           device_id_of(self.pool.kv), reg.device_id)
+            g = reg.geometry  # (its page layout and strides were checked at registration)
+            chunks = layout.page_chunks(layout.of_wire(g.page_layout, reg.layer_addrs, reg.block_stride,
+                                                       reg.head_stride, reg.token_stride, g))
+            src, dst_rel = layout.descs(src_addr, dst_off, chunks, device_id_of(self.pool.kv), reg.device_id)
             cached = p.descs[id(src_pages)] = (src_pages, src, dst_rel)
         dst = cached[2].copy()
         dst[:, 0] += np.uint64(reg.layer_addrs[layer])
@@ -371,6 +394,8 @@ class PushProducer:
         """Stop the request: drop its queued layers (nothing more is posted), wait for in-flight
         WRITEs, tell a registered decode it failed."""
         with self._lock:
+            if self.pull.abort(request_id, reason, self._send_notif):
+                return True
             p = self._reqs.get(request_id)
             if p is None:
                 return False
@@ -388,18 +413,20 @@ class PushProducer:
     def state(self, request_id: str) -> TransferState | None:
         with self._lock:
             p = self._reqs.get(request_id)
-            return p.state if p else self._finished.get(request_id)
+            if p is not None:
+                return p.state
+            return TransferState.LEASED if request_id in self.pull else self._finished.get(request_id)
 
     def stats(self) -> ProducerStats:
         s = self._stats.snapshot()
         with self._lock:
-            s.active_leases = len(self._reqs)
+            s.active_leases = len(self._reqs) + len(self.pull)
         return s
 
     @property
     def num_active(self) -> int:
         with self._lock:
-            return len(self._reqs)
+            return len(self._reqs) + len(self.pull)
 
     # ---- internals ----
     def _wait(self, request_id: str, which, timeout_s: float | None = None, raise_errors: bool = True) -> None:
@@ -463,9 +490,16 @@ class PushProducer:
     def _end(self, p: _Push, state: TransferState) -> None:
         p.state = state
         self._reqs.pop(p.request_id, None)
-        self._finished[p.request_id] = state
+        self._ended(p.request_id, state)
+
+    def _ended(self, request_id: str, state: TransferState) -> None:
+        self._finished[request_id] = state
         while len(self._finished) > self._keep_finished:
             self._finished.popitem(last=False)
+
+    def _send_notif(self, remote: str, msg: bytes) -> None:  # (lock held)
+        assert self._agent is not None
+        self._agent.send_notif(remote, msg)
 
     # ---- side channel ----
     def _serve(self) -> None:
@@ -481,7 +515,9 @@ class PushProducer:
                         log.warning("side channel: ignored a %d-frame message", len(frames))
                 with self._lock:
                     if self._agent is not None:
-                        self._agent.get_notifs()  # drives UCX progress; decodes send us none
+                        for agent, msg in self._agent.get_notifs():  # (also drives UCX progress)
+                            self.pull.on_notif(agent, msg)  # a pull READ is over
+                        self.pull.expire(self._send_notif)
             except Exception:  # noqa: BLE001 - one bad message never stops the service
                 log.exception("push side channel error")
                 self._stop.wait(0.05)
@@ -504,27 +540,38 @@ class PushProducer:
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             self._refuse(identity, "", b"", f"malformed message: {e}", signed=False)
             return
-        if isinstance(msg, wire.Ack) or not wire.verify(self.secret, msg):
+        if msg.version != wire.PROTOCOL_VERSION:  # first: another version's MAC would not match
+            self._refuse(identity, "", b"", f"protocol version {msg.version} not supported (this server "
+                         f"speaks {wire.PROTOCOL_VERSION}); upgrade the side that is behind", signed=False)
+            return
+        if isinstance(msg, (wire.Ack, wire.Offer)) or not wire.verify(self.secret, msg):
             log.warning("side channel: refused a message that failed authentication")
             self._refuse(identity, "", b"", "authentication failed", signed=False)
-            return
-        if msg.version != wire.PROTOCOL_VERSION:
-            self._refuse(identity, msg.request_id, msg.nonce,
-                         f"protocol version {msg.version} not supported (this server speaks "
-                         f"{wire.PROTOCOL_VERSION}); upgrade the side that is behind", signed=True)
             return
         if why := self._replay.check(msg.nonce, msg.timestamp):
             self._refuse(identity, msg.request_id, msg.nonce, why, signed=True)
             return
         if isinstance(msg, wire.Cancel):
             self._cancel(identity, msg)
+        elif isinstance(msg, wire.Fetch):
+            self._fetch(identity, msg)
         else:
             self._register(identity, msg)
+
+    def _fetch(self, identity: bytes, msg: wire.Fetch) -> None:
+        with self._lock:
+            offer = self.pull.offer(msg, self.engine_id, self._agent.metadata())
+        if isinstance(offer, str):
+            return self._refuse(identity, msg.request_id, msg.nonce, offer, signed=True)
+        self._sock.send_multipart((identity, b"", wire.encode(wire.sign(self.secret, offer))))
 
     def _cancel(self, identity: bytes, msg: wire.Cancel) -> None:
         # Called on the service thread: mark it so layer_done posts nothing more, then wait for
         # the in-flight WRITEs (bounded by transfer_timeout_s) before acknowledging.
         with self._lock:
+            if self.pull.cancel(msg.request_id):  # leased: the decode has no READ in flight
+                return self._reply(identity, wire.Ack(version=wire.PROTOCOL_VERSION, request_id=msg.request_id,
+                                                      accepted=True, nonce=msg.nonce))
             p = self._reqs.get(msg.request_id)
             if p is not None:
                 p.closing = True
@@ -551,8 +598,19 @@ class PushProducer:
         if len(reg.block_ids) < needed or not 0 <= reg.first_token < reg.num_tokens:
             return refuse(f"{reg.num_tokens} tokens need {needed} destination blocks, got "
                           f"{len(reg.block_ids)} (first token {reg.first_token})")
-        if reg.block_stride < g.page_bytes or reg.mem_type not in ("DRAM", "VRAM"):
-            return refuse("bad destination: block stride smaller than a page, or unknown memory type")
+        try:
+            layout.of_wire(g.page_layout, reg.layer_addrs, reg.block_stride, reg.head_stride, reg.token_stride, g)
+        except ValueError as e:
+            return refuse(f"bad destination: {e}")
+        if reg.mem_type not in ("DRAM", "VRAM") or reg.transfer_mode not in wire.TRANSFER_MODES:
+            return refuse(f"bad destination: memory type {reg.mem_type!r}, transfer mode {reg.transfer_mode!r}")
+        if reg.transfer_mode == "pull" and needed > self.pool.num_blocks:
+            why = (f"pull mode needs the whole prompt's KV resident: {needed} blocks, the prefill's pool "
+                   f"has {self.pool.num_blocks}; use push (the default) for this prompt")
+            with self._lock:  # the engine fails the request at once
+                if (p := self._reqs.get(reg.request_id)) is not None and p.state is TransferState.EXPECTING:
+                    self._fail(p, why, keep=True)
+            return refuse(why)
         with self._lock:
             p = self._reqs.get(reg.request_id)
             if p is None or p.state is not TransferState.EXPECTING:

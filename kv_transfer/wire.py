@@ -10,6 +10,14 @@ Exchange, per request (decode worker = client, prefill side channel = ZMQ ROUTER
     decode <==NIXL WRITE of layer l's pages, with notification "psv1 done <rid> <l>"=========== prefill
     ... one per layer; "psv1 fail <rid> <reason>" instead if the prefill gives up ...
 
+Pull fallback (the decode asks for it: ``Register.transfer_mode == "pull"``; ``kv_transfer.pull``)::
+
+    decode --Register{transfer_mode="pull", ...}--> prefill; <--Ack--  (prefill computes into its pool)
+    decode <==notification "psv1 ready <rid> -"================ prefill (blocks leased)
+    decode --Fetch{request_id, nonce, ts, mac}--> prefill
+    decode <--Offer{its NIXL metadata, layer addresses, block ids, lease, token, mac}-- prefill
+    decode ==NIXL READ, notification "psv1 read <rid> <token>"==> prefill (frees the lease)
+
 Authentication: ``mac = HMAC-SHA256(secret, b"register" + canonical msgpack of every other field)``,
 over a fresh random nonce and a timestamp; the prefill refuses a wrong mac, a timestamp more than
 ``MAX_CLOCK_SKEW_S`` away, or a nonce it has already seen, and answers a stranger with a refusal
@@ -17,8 +25,10 @@ that carries nothing else (no metadata, no addresses). The Ack is authenticated 
 the Register's nonce, so the decode knows it talks to a server holding the secret.
 
 Compatibility: what matters for the bytes is compared field by field (``Geometry.mismatches``):
-layers, KV heads, head_dim, block size, dtype, page layout and the model's fingerprint (a hash of
-the architecture fields of config.json, not of a path string).
+layers, KV heads, head_dim, block size, dtype and the model's fingerprint (a hash of the
+architecture fields of config.json, not of a path string). Page layouts may differ: each side
+names its own (vLLM's ``KVCacheLayout`` names) and gives its strides; ``kv_transfer.layout``
+computes the descriptors and the conversion.
 """
 from __future__ import annotations
 
@@ -33,12 +43,13 @@ from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: pull fallback (Fetch, Offer), page layouts with strides
 MAX_CLOCK_SKEW_S = 60.0
 NOTIF_PREFIX = b"psv1"
-# Page layout names: "HNC" = one block of one layer is [H, N, K|V] (K then V channels per token),
-# vLLM's LBHNC page, which is also our pool's page. The only layout both ends speak today.
-PLAIN_PAGE = "HNC"
+# Page layout names are vLLM 0.32's ``KVCacheLayout`` names (``kv_transfer.layout``). "LBHNC": one
+# block of one layer is [H, N, K|V] (K then V channels per token), which is also our pool's page.
+PLAIN_PAGE = "LBHNC"
+TRANSFER_MODES = ("push", "pull")
 
 # config.json fields that decide the shapes of the K/V a model computes. Defaults are filled in
 # the way transformers does, so a raw config.json (the prefill) and vLLM's parsed hf_config (the
@@ -82,10 +93,13 @@ class Geometry(msgspec.Struct, frozen=True, kw_only=True):
         return self.num_kv_heads * self.block_size * 2 * self.head_dim * item
 
     def mismatches(self, other: Geometry) -> list[str]:
-        """Human-readable differences ('field: ours X, theirs Y'), empty if compatible."""
+        """Human-readable differences ('field: ours X, theirs Y'), empty if compatible. The page
+        layouts may differ (``kv_transfer.layout`` checks and converts them)."""
         out = []
         for name in self.__struct_fields__:
             a, b = getattr(self, name), getattr(other, name)
+            if name == "page_layout":
+                continue
             if a != b:
                 out.append(f"{name}: prefill {a!r}, decode {b!r}")
         return out
@@ -102,13 +116,18 @@ class Register(msgspec.Struct, kw_only=True, tag="register"):
     geometry: Geometry
     mem_type: str  # "DRAM" or "VRAM"
     device_id: int
-    layer_addrs: list[int]  # base address of each layer's cache, layer order
+    layer_addrs: list[int]  # address of (block 0, head 0, token 0) of each layer's cache, layer order
     block_stride: int  # bytes between consecutive blocks in a layer's cache
     block_ids: list[int]  # block_ids[t // block_size] holds token t of the prompt
     first_token: int  # tokens [first_token, num_tokens) are to be written (a prefix hit skips some)
     num_tokens: int
     nonce: bytes
     timestamp: float
+    # bytes between heads / tokens inside a block (geometry.page_layout names the layout);
+    # 0: the dense [H, N, K|V] page
+    head_stride: int = 0
+    token_stride: int = 0
+    transfer_mode: str = "push"  # "pull": the prefill keeps the KV in its pool, the decode READs it
     mac: bytes = b""
 
 
@@ -124,6 +143,39 @@ class Cancel(msgspec.Struct, kw_only=True, tag="cancel"):
     mac: bytes = b""
 
 
+class Fetch(msgspec.Struct, kw_only=True, tag="fetch"):
+    """Decode -> prefill (pull): where is request_id's KV? Sent after the "ready" notification."""
+
+    version: int
+    request_id: str
+    nonce: bytes
+    timestamp: float
+    mac: bytes = b""
+
+
+class Offer(msgspec.Struct, kw_only=True, tag="offer"):
+    """Prefill -> decode (pull): the leased blocks to READ, addressed like a Register's destination.
+    ``release_token`` goes into the "read" notification that frees them."""
+
+    version: int
+    request_id: str
+    agent_name: str
+    agent_metadata: bytes  # the prefill's NIXL agent metadata (its KV pool region)
+    page_layout: str
+    mem_type: str
+    device_id: int
+    layer_addrs: list[int]
+    block_stride: int
+    head_stride: int
+    token_stride: int
+    block_ids: list[int]  # the prefill's blocks: block_ids[t // block_size] holds token t
+    num_tokens: int
+    lease_s: float  # the blocks stay leased this long from now (READ and notify before)
+    release_token: str
+    nonce: bytes = b""  # the Fetch's
+    mac: bytes = b""
+
+
 class Ack(msgspec.Struct, kw_only=True, tag="ack"):
     """Prefill -> decode: accepted (the WRITEs will come) or refused, with what to change."""
 
@@ -135,7 +187,7 @@ class Ack(msgspec.Struct, kw_only=True, tag="ack"):
     mac: bytes = b""
 
 
-Message = Register | Cancel | Ack
+Message = Register | Cancel | Fetch | Offer | Ack
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
@@ -220,11 +272,24 @@ def fail_notif(request_id: str, reason: str) -> bytes:
     return b" ".join((NOTIF_PREFIX, b"fail", request_id.encode(), reason.encode()[:400]))
 
 
+def ready_notif(request_id: str) -> bytes:
+    """Prefill -> decode (pull): the KV is computed and leased; send a Fetch."""
+    return b" ".join((NOTIF_PREFIX, b"ready", request_id.encode(), b"-"))
+
+
+def read_notif(request_id: str, release_token: str) -> bytes:
+    """Decode -> prefill (pull), carried by the READ: the KV is read; free the lease."""
+    return b" ".join((NOTIF_PREFIX, b"read", request_id.encode(), release_token.encode()))
+
+
+_NOTIF_KINDS = (b"done", b"fail", b"ready", b"read")
+
+
 def parse_notif(msg: bytes) -> tuple[str, str, str] | None:
-    """(kind, request_id, arg) for 'done' (arg = layer) and 'fail' (arg = reason); None if the
-    message is not ours or malformed."""
+    """(kind, request_id, arg) for 'done' (arg = layer), 'fail' (arg = reason), 'ready' (arg '-')
+    and 'read' (arg = release token); None if the message is not ours or malformed."""
     parts = msg.split(b" ", 3)
-    if len(parts) != 4 or parts[0] != NOTIF_PREFIX or parts[1] not in (b"done", b"fail"):
+    if len(parts) != 4 or parts[0] != NOTIF_PREFIX or parts[1] not in _NOTIF_KINDS:
         return None
     try:
         return parts[1].decode(), parts[2].decode(), parts[3].decode(errors="replace")

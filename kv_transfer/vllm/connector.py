@@ -7,7 +7,13 @@
 
 (``prefill-server vllm-config --transfer-mode connector`` prints it). The secret may instead come
 from the decode's ``PREFILL_SERVER_SECRET`` environment variable. Other extra-config keys:
-``transfer_timeout_s`` (default 120: no layer for that long fails the request).
+``transfer_timeout_s`` (default 120: no layer for that long fails the request; in pull mode it
+must cover a whole prefill); ``transfer_mode`` ("push", the default: the prefill WRITEs each layer
+into our blocks as it is computed; "pull": the prefill computes the whole prompt, leases its blocks
+and we READ them, ``kv_transfer.pull``; a request's ``kv_transfer_params.prefill_server.
+transfer_mode`` overrides it); ``kv_cache_layout`` (the page layout we ask vLLM for, default
+"LBHNC", our pool's page: whole-page descriptors and no conversion; "auto" lets vLLM choose; any
+layout of ``kv_transfer.layout.LAYOUTS`` works).
 
 A request whose ``kv_transfer_params`` carry ``{"prefill_server": {request_id, host, port,
 num_tokens}}`` (what our gateway sends) is loaded from the prefill server:
@@ -20,6 +26,9 @@ num_tokens}}`` (what our gateway sends) is loaded from the prefill server:
                get_transfer_results       -> all layers in: (CPU decode: repack the pages into
                                              its ISA layout) and report it finished; vLLM then
                                              schedules the request
+    pull:      the Register asks for pull; on the prefill's "ready" notification the receiver
+               fetches the signed Offer and READs the leased blocks (the READ's notification frees
+               them); then as above
     failure:   refusal, "fail" from the prefill, or no layer for transfer_timeout_s -> the
                request is reported in failed_recving + its blocks as load errors, and vLLM's
                ``kv_load_failure_policy`` applies ("fail": the client gets an error)
@@ -31,7 +40,10 @@ classes ``KVConnectorBase_V1``, ``KVConnectorRole``, ``KVConnectorMetadata``,
 ``KVConnectorTransferResults``; ``Request.kv_transfer_params / num_prompt_tokens /
 request_id / status`` and ``RequestStatus.FINISHED_ABORTED``; ``KVCacheBlocks.get_block_ids()``; ``vllm_config.model_config`` (hf_config,
 dtype, get_num_layers / get_num_kv_heads / get_head_size), ``cache_config.block_size /
-cache_dtype``, ``kv_transfer_config.kv_connector_extra_config``; ``current_platform.is_cpu()``
+cache_dtype / get_resolved_kv_cache_layout()``, ``kv_transfer_config.kv_connector_extra_config``;
+the classmethod hook ``get_required_kvcache_layout``; the per-layer cache views
+``register_kv_caches`` gets (logical ``[B, H, N, 2D]``, strides of a ``KVCacheLayout``);
+``current_platform.is_cpu()``
 and ``current_platform.pack_kv_cache(cache, indices)`` (CPU decode only). Checked against vLLM
 0.32.0 (tests/e2e/test_connector_pipeline.py).
 """
@@ -53,7 +65,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # the vLLM API 
 from vllm.platforms import current_platform
 from vllm.v1.request import RequestStatus
 
-from kv_transfer import wire
+from kv_transfer import layout, wire
 from kv_transfer.push import PARAMS_KEY
 from kv_transfer.receiver import PushReceiver
 
@@ -73,6 +85,7 @@ class _RecvSpec:
     block_ids: list[int]
     first_token: int
     num_tokens: int
+    mode: str = "push"
 
 
 @dataclass
@@ -89,7 +102,8 @@ def _target(params: dict | None) -> dict | None:
     if not isinstance(p, dict) or p.get("_consumed"):
         return None
     ok = (isinstance(p.get("request_id"), str) and isinstance(p.get("host"), str)
-          and isinstance(p.get("port"), int) and p.get("version") == wire.PROTOCOL_VERSION)
+          and isinstance(p.get("port"), int) and p.get("version") == wire.PROTOCOL_VERSION
+          and p.get("transfer_mode", "push") in wire.TRANSFER_MODES)
     if not ok:
         log.warning("ignoring malformed %s kv_transfer_params %r: the decode computes the prompt itself",
                     PARAMS_KEY, p)
@@ -109,11 +123,20 @@ def decode_geometry(vllm_config: VllmConfig) -> wire.Geometry:
         dtype=str(mc.dtype).removeprefix("torch."))
 
 
+def _extra_mode(extra: dict) -> str:
+    mode = extra.get("transfer_mode", "push")
+    if mode not in wire.TRANSFER_MODES:
+        raise ValueError(f"kv_connector_extra_config.transfer_mode must be one of {wire.TRANSFER_MODES}, "
+                         f"not {mode!r}")
+    return mode
+
+
 class PrefillServerConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self._timeout_s = float(extra.get("transfer_timeout_s", 120.0))
+        self._mode = _extra_mode(extra)
         if not self._kv_transfer_config.is_kv_consumer:
             raise ValueError("PrefillServerConnector runs on the decode: use kv_role kv_consumer")
         self._geometry = decode_geometry(vllm_config)
@@ -127,6 +150,14 @@ class PrefillServerConnector(KVConnectorBase_V1):
         self._by_prefill_id: dict[str, tuple[str, _RecvSpec]] = {}
         self._load_errors: set[int] = set()
         self._reported: dict[str, None] = {}  # vLLM ids already reported finished (insertion-ordered)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """The page layout to ask vLLM for (it may refuse it for a backend that cannot use it; any
+        layout then works, through per-layout descriptors and conversion)."""
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        name = extra.get("kv_cache_layout", wire.PLAIN_PAGE)
+        return None if name == "auto" else layout.canonical(name)
 
     # ================================================================ scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -143,7 +174,8 @@ class PrefillServerConnector(KVConnectorBase_V1):
         if num_external_tokens <= 0:
             return
         spec = _RecvSpec(p["host"], p["port"], p["request_id"], list(blocks.get_block_ids()[0]),
-                         request.num_prompt_tokens - num_external_tokens, request.num_prompt_tokens)
+                         request.num_prompt_tokens - num_external_tokens, request.num_prompt_tokens,
+                         p.get("transfer_mode", self._mode))
         self._pending.receive[request.request_id] = spec
         self._inflight[request.request_id] = spec
 
@@ -175,8 +207,14 @@ class PrefillServerConnector(KVConnectorBase_V1):
 
         names = sorted(kv_caches, key=layer_of)
         self._caches = [kv_caches[n] for n in names]
-        self._receiver = PushReceiver(self._caches, self._geometry, self._secret, timeout_s=self._timeout_s)
-        log.info("PrefillServerConnector: %d layer caches registered (%s)", len(names), self._receiver.engine_id)
+        try:  # what vLLM resolved, checked against the views' strides
+            resolved = self._vllm_config.cache_config.get_resolved_kv_cache_layout().name
+        except (AttributeError, ValueError):
+            resolved = None
+        self._receiver = PushReceiver(self._caches, self._geometry, self._secret, timeout_s=self._timeout_s,
+                                      layout_name=resolved)
+        log.info("PrefillServerConnector: %d layer caches registered (%s, page layout %s, transfer %s)",
+                 len(names), self._receiver.engine_id, self._receiver.addressing.layout, self._mode)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if not self.has_connector_metadata():
@@ -186,7 +224,7 @@ class PrefillServerConnector(KVConnectorBase_V1):
         for rid, spec in meta.receive.items():
             self._by_prefill_id[spec.prefill_request_id] = (rid, spec)
             self._receiver.register(spec.host, spec.port, spec.prefill_request_id, spec.block_ids,
-                                    spec.first_token, spec.num_tokens)
+                                    spec.first_token, spec.num_tokens, spec.mode)
         for rid, spec in meta.cancel.items():
             if rid in self._reported:
                 continue  # its KV already arrived (or failed) and vLLM was told: nothing to stop

@@ -19,7 +19,9 @@ destination blocks (or fails after the producer's register timeout), then runs w
 staging blocks; every layer is WRITTEN to the decode as soon as it is computed. ``producer.finish``
 waits for the last WRITE, then the engine frees the staging blocks. On any failure or abort the
 engine calls ``producer.abort`` (which waits for in-flight WRITEs and tells the decode) BEFORE
-freeing them.
+freeing them. If the decode registered asking for the pull fallback (``producer.wants_pull``), the
+request runs like a pull-mode one (whole prompt in the pool, chunked) and ``producer.publish``
+leases its blocks to the decode, which READs them (``kv_transfer.pull``).
 
 The engine never frees leased blocks itself; the producer never frees running blocks. A failed step
 fails only the requests in that step and the loop keeps serving.
@@ -52,7 +54,8 @@ class Engine:
         self.runner, self.pool, self.producer = runner, pool, producer
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
         self.scheduler = Scheduler(pool, token_budget, max_num_seqs, max_queue_wait_s,
-                                   push_ready=getattr(producer, "is_ready", None))
+                                   push_ready=getattr(producer, "is_ready", None),
+                                   wants_pull=getattr(producer, "wants_pull", None))
         self.supports_push = hasattr(producer, "expect")
         runner.producer = producer if self.supports_push else None
         self.metrics = metrics or Metrics()
@@ -95,7 +98,7 @@ class Engine:
         if req.push and not self.supports_push:
             raise InvalidRequest("this server's transfer mode does not stream KV (push); start it "
                                  "with --transfer-mode connector", field="transfer_mode")
-        if not req.push and not hasattr(self.producer, "publish"):
+        if not req.push and self.supports_push:
             raise InvalidRequest("this server runs in connector mode (streaming push): a prefill must "
                                  "come with its decode request (HTTP gateway), not on its own",
                                  field="transfer_mode")
@@ -176,11 +179,14 @@ class Engine:
         req = seq.request
         try:
             token = sample_first_token(logits, req.sampling)
-            if req.push:
+            if seq.push:
                 self.producer.finish(req.request_id)  # every layer's WRITE is done
                 blocks, seq.block_ids = seq.block_ids, []
                 self.pool.free(blocks)  # staging only; the KV is in the decode's blocks now
                 params = seq.params
+            elif seq.pull:  # the decode READs the leased blocks (publish raising leases nothing)
+                self.producer.publish(req.request_id, seq.block_ids, seq.num_tokens)
+                seq.block_ids, params = [], seq.params
             else:
                 blocks, seq.block_ids = seq.block_ids, []
                 params = self.producer.publish(req.request_id, blocks, seq.num_tokens)
@@ -205,7 +211,7 @@ class Engine:
         seq.future.set_result(result)
 
     def _fail(self, seq: Sequence, err: BaseException, locked: bool = False) -> None:
-        if seq.push:  # no WRITE may still read the staging blocks when they are freed
+        if seq.connector:  # no WRITE may still read the staging blocks when freed; the decode is told
             try:
                 self.producer.abort(seq.request_id, f"prefill failed: {err}")
             except Exception:  # noqa: BLE001 - the producer bounds its waits; never stop the loop
@@ -229,8 +235,9 @@ class Engine:
             if seq is not None:
                 self._fail(seq, RequestCancelled(f"request {rid} was aborted"), locked=True)
         self._aborts.clear()
-        for seq in list(self.scheduler.waiting):
-            if seq.push and (why := self.producer.overdue(seq.request_id)):
+        pulled = [s for s in self.scheduler.running if s.pull]  # (its decode may have cancelled)
+        for seq in list(self.scheduler.waiting) + pulled:
+            if seq.connector and (why := self.producer.overdue(seq.request_id)):
                 self._fail(seq, self._push_error(seq, why), locked=True)
 
     def _push_error(self, seq: Sequence, why: str | None = None) -> Exception:

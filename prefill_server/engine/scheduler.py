@@ -7,7 +7,9 @@ several steps; later chunks attend to the earlier chunks' K/V through the pool.
 
 Push (connector mode) sequences stream their KV out layer by layer, so they run as ONE whole-prompt
 chunk in a step of their own, on a few staging blocks (``KVPool.stream_blocks_needed``), once their
-decode has registered (``push_ready``); until then they wait without blocking the queue.
+decode has registered (``push_ready``); until then they wait without blocking the queue. If the
+decode asked for the pull fallback (``wants_pull``), the sequence runs like any other from then on
+(whole prompt resident, chunked) and its blocks are leased to the decode at the end.
 """
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ class Sequence:
     t_first_scheduled: float | None = None
     block_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
-    params: dict | None = None  # push: the kv_transfer_params handed to the decode at submit
+    params: dict | None = None  # connector mode: the kv_transfer_params handed to the decode at submit
+    pull: bool = False  # connector mode, the decode asked for pull: computed whole, then leased
 
     @property
     def request_id(self) -> str:
@@ -40,8 +43,14 @@ class Sequence:
         return len(self.request.prompt_token_ids)
 
     @property
-    def push(self) -> bool:
+    def connector(self) -> bool:
+        """Connector mode: a decode registers for this request's KV (push or pull)."""
         return self.request.push
+
+    @property
+    def push(self) -> bool:
+        """Streamed: each layer is written to the decode as it is computed."""
+        return self.request.push and not self.pull
 
 
 @dataclass(frozen=True)
@@ -59,10 +68,11 @@ class Scheduler:
     STREAM_SLOTS = 2  # layers of a streamed prompt held at once (one computing, one in flight)
 
     def __init__(self, pool: KVPool, token_budget: int, max_num_seqs: int, max_queue_wait_s: float,
-                 push_ready=None):
+                 push_ready=None, wants_pull=None):
         assert token_budget > 0 and max_num_seqs > 0
         self.pool = pool
         self.push_ready = push_ready or (lambda rid: True)  # (request id) -> decode registered?
+        self.wants_pull = wants_pull or (lambda rid: False)  # (request id) -> it asked for pull?
         self.token_budget, self.max_num_seqs = token_budget, max_num_seqs
         self.max_queue_wait_s = max_queue_wait_s
         self.waiting: deque[Sequence] = deque()
@@ -116,7 +126,9 @@ class Scheduler:
             if seq.push:
                 if not self.push_ready(seq.request_id):
                     continue  # its decode has not registered yet: let others go first
-                if chunks:
+                if self.wants_pull(seq.request_id):
+                    seq.pull = True  # from here on an ordinary sequence (seq.push is False)
+                elif chunks:
                     break  # a streamed prompt runs in a step of its own
             try:
                 seq.block_ids = self.pool.allocate(self.blocks_for(seq))

@@ -43,7 +43,7 @@ def build_service(ecfg: EngineConfig, scfg: ServerConfig) -> PrefillService:
                                  dtype=str(pool.dtype).removeprefix("torch."))
         producer = PushProducer(pool, geometry, wire.load_secret(secret_file=scfg.secret_file),
                                 host=scfg.side_channel_host, port=scfg.side_channel_port,
-                                register_timeout_s=scfg.register_timeout_s)
+                                register_timeout_s=scfg.register_timeout_s, lease_ttl_s=ecfg.lease_ttl_s)
         served = scfg.served_model_name or decode_info.served_model_name
     elif decode_info is None:
         producer, served = LocalProducer(pool, ecfg.lease_ttl_s), scfg.served_model_name or m.path

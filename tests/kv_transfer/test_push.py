@@ -181,7 +181,8 @@ def test_a_peer_without_the_secret_is_refused(setup, loaded):
 def test_replayed_register_is_refused(setup, loaded):
     ids = loaded.tokenizer.encode("Replay.")
     setup.engine.submit_push(PrefillRequest("rp", tuple(ids), push=True))
-    reg = wire.Register(version=1, request_id="rp", engine_id="e", agent_name="e", agent_metadata=b"",
+    reg = wire.Register(version=wire.PROTOCOL_VERSION, request_id="rp", engine_id="e", agent_name="e",
+                        agent_metadata=b"",
                         geometry=geometry(loaded), mem_type="DRAM", device_id=0, layer_addrs=[0],
                         block_stride=1, block_ids=[0], first_token=0, num_tokens=len(ids),
                         nonce=wire.new_nonce(), timestamp=time.time())

@@ -15,7 +15,8 @@ G = wire.Geometry(model_fingerprint="abc", num_layers=2, num_kv_heads=3, head_di
 
 
 def register(**kw):
-    base = dict(version=1, request_id="r1", engine_id="e", agent_name="a", agent_metadata=b"m", geometry=G,
+    base = dict(version=wire.PROTOCOL_VERSION, request_id="r1", engine_id="e", agent_name="a",
+                agent_metadata=b"m", geometry=G,
                 mem_type="DRAM", device_id=0, layer_addrs=[1, 2], block_stride=G.page_bytes, block_ids=[4],
                 first_token=0, num_tokens=10, nonce=wire.new_nonce(), timestamp=time.time())
     base.update(kw)
@@ -29,8 +30,25 @@ def test_round_trip_and_mac():
     assert not wire.verify(b"another-secret-0123456", back)
     tampered = msgspec.structs.replace(back, block_ids=[5])  # redirect the WRITEs: detected
     assert not wire.verify(SECRET, tampered)
-    ack = wire.sign(SECRET, wire.Ack(version=1, request_id="r1", accepted=True, nonce=msg.nonce))
+    ack = wire.sign(SECRET, wire.Ack(version=wire.PROTOCOL_VERSION, request_id="r1", accepted=True,
+                                     nonce=msg.nonce))
     assert wire.verify(SECRET, wire.decode(wire.encode(ack)))
+
+
+def test_pull_messages_round_trip_signed():
+    reg = wire.sign(SECRET, register(transfer_mode="pull", head_stride=64, token_stride=8))
+    assert wire.verify(SECRET, wire.decode(wire.encode(reg)))
+    fetch = wire.sign(SECRET, wire.Fetch(version=wire.PROTOCOL_VERSION, request_id="r1", nonce=wire.new_nonce(),
+                                         timestamp=time.time()))
+    assert wire.decode(wire.encode(fetch)) == fetch and wire.verify(SECRET, fetch)
+    offer = wire.sign(SECRET, wire.Offer(
+        version=wire.PROTOCOL_VERSION, request_id="r1", agent_name="p", agent_metadata=b"md",
+        page_layout="LBHNC", mem_type="DRAM", device_id=0, layer_addrs=[10, 20], block_stride=G.page_bytes,
+        head_stride=0, token_stride=0, block_ids=[3], num_tokens=10, lease_s=30.0, release_token="t",
+        nonce=fetch.nonce))
+    back = wire.decode(wire.encode(offer))
+    assert back == offer and wire.verify(SECRET, back)
+    assert not wire.verify(SECRET, msgspec.structs.replace(back, layer_addrs=[11, 20]))  # redirected READ
 
 
 def test_malformed_messages_raise_validation_errors():
@@ -51,6 +69,7 @@ def test_replay_guard():
 def test_geometry_mismatches_name_the_fields():
     other = msgspec.structs.replace(G, block_size=16, dtype="bfloat16")
     assert G.mismatches(G) == []
+    assert G.mismatches(msgspec.structs.replace(G, page_layout="LBNHC")) == []  # converted, not refused
     assert G.mismatches(other) == ["block_size: prefill 32, decode 16", "dtype: prefill 'float32', decode 'bfloat16'"]
     assert G.page_bytes == 3 * 32 * 128 * 4
 
@@ -58,6 +77,8 @@ def test_geometry_mismatches_name_the_fields():
 def test_notifications():
     assert wire.parse_notif(wire.done_notif("pf-1", 7)) == ("done", "pf-1", "7")
     assert wire.parse_notif(wire.fail_notif("pf-1", "it broke badly")) == ("fail", "pf-1", "it broke badly")
+    assert wire.parse_notif(wire.ready_notif("pf-1")) == ("ready", "pf-1", "-")
+    assert wire.parse_notif(wire.read_notif("pf-1", "tok")) == ("read", "pf-1", "tok")
     for junk in (b"pf-1:1", b"HB:a,b", b"psv1 done", b"psv1 what x 1", b"\xff\xfe"):
         assert wire.parse_notif(junk) is None
 
