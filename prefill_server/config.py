@@ -19,6 +19,9 @@ class EngineConfig:
     max_queue_wait_s: float = 60.0
     lease_ttl_s: float = 30.0  # KV held for the decode this long unless it reads or heartbeats
     attention: str = "dense"  # dense | sparse (block-sparse past SparseConfig.dense_len_threshold)
+    cpu_attention: str = "auto"  # CPU dense kernel: auto (vllm if importable here) | torch | vllm
+    vllm_ops: str | None = None  # --cpu-attention vllm: vLLM's _C library or vllm package folder
+    cpu_threads: int = 0  # torch / OpenMP threads on the CPU (0 = torch's default)
 
     def validate(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -31,6 +34,10 @@ class EngineConfig:
             raise ValueError("--max-num-seqs, --kv-cache-gib must be positive, --num-kv-blocks >= 0")
         if self.attention not in ("dense", "sparse"):
             raise ValueError(f"--attention must be dense or sparse, not {self.attention!r}")
+        if self.cpu_attention not in ("auto", "torch", "vllm"):
+            raise ValueError(f"--cpu-attention must be auto, torch or vllm, not {self.cpu_attention!r}")
+        if self.cpu_threads < 0:
+            raise ValueError("--cpu-threads must be >= 0 (0 = torch's default)")
         if self.lease_ttl_s <= 0 or self.max_queue_wait_s <= 0:
             raise ValueError("--lease-ttl and --max-queue-wait must be positive")
 

@@ -42,6 +42,12 @@ def vllm_python(venv: pathlib.Path = DEFAULT_VENV) -> pathlib.Path | None:
     return py if ok else None
 
 
+def vllm_package_dir(venv: pathlib.Path = DEFAULT_VENV) -> pathlib.Path | None:
+    """The decode venv's ``vllm`` package folder (for ``--vllm-ops``), if there is one."""
+    hits = sorted(venv.glob("lib/python3*/site-packages/vllm"))
+    return hits[0] if hits else None
+
+
 @dataclass
 class VllmDecode:
     """One vLLM decode process. ``start()`` blocks until ``/health`` answers 200 (or raises with

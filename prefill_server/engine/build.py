@@ -63,3 +63,13 @@ def make_runner(m: LoadedModel, pool: KVPool, attention: str = "dense") -> Model
 
         sparse = SparseAttention()
     return ModelRunner(m.model, pool, m.config.head_dim, m.device, sparse=sparse)
+
+
+def configure_cpu(cfg: EngineConfig, block_size: int) -> None:
+    """CPU engine: thread count, and the dense attention kernel (torch SDPA or vLLM's)."""
+    from prefill_server.layers.attention import set_cpu_backend
+
+    if cfg.cpu_threads:
+        torch.set_num_threads(cfg.cpu_threads)
+    used = set_cpu_backend(cfg.cpu_attention, cfg.vllm_ops, block_size, query_chunk=cfg.token_budget)
+    log.info("CPU: %d threads, dense attention: %s", torch.get_num_threads(), used)

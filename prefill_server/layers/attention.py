@@ -11,6 +11,9 @@ cuDNN last), then flash / memory-efficient if cuDNN declines the inputs, on 4-D 
 materializes the [H, T, T] scores: 1.98 s per 8K prefill of an 8B model, out of memory at 32K on an
 H200). A later chunk of a prompt (Tq < Tk) needs a bottom-right causal mask, which the
 memory-efficient kernel takes without materializing it.
+
+On the CPU, ``set_cpu_backend("vllm")`` routes dense attention to vLLM's CPU kernel (see
+``vllm_cpu_attention``: faster than torch SDPA, and the decode's own bits).
 """
 from __future__ import annotations
 
@@ -27,6 +30,28 @@ except Exception:  # pragma: no cover - depends on the install
 GPU_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                 SDPBackend.MATH]
 
+_cpu = {"backend": "torch", "block_size": 32, "query_chunk": 0}  # set at engine build (set_cpu_backend)
+
+
+def set_cpu_backend(name: str, where: str | None = None, block_size: int = 32, query_chunk: int = 0) -> str:
+    """name: torch | vllm | auto (vllm when its ops load from this environment, else torch).
+    block_size: the decode's KV block size (vLLM's kernel tiles by it). query_chunk: with vllm, split
+    queries at absolute positions that are multiples of it, as a decode with that many batched
+    tokens per step would (its kernel's bits depend on the split; 0 = no split). Returns the backend used."""
+    from prefill_server.layers import vllm_cpu_attention
+
+    if name == "auto":
+        name = "vllm" if where or vllm_cpu_attention.find_library() is not None else "torch"
+        if name == "vllm":
+            try:
+                vllm_cpu_attention.load(where)
+            except ValueError:
+                name = "torch"
+    elif name == "vllm":
+        vllm_cpu_attention.load(where)  # ValueError says what to change
+    _cpu.update(backend=name, block_size=block_size, query_chunk=query_chunk)
+    return name
+
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [Tq, Hq, D], k/v [Tk, Hkv, D] (Tq <= Tk) -> o [Tq, Hq, D]."""
@@ -38,6 +63,10 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
         return flash_attn_varlen_func(q, k, v, cq, ck, tq, tk, softmax_scale=scale, causal=True)
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         return _sdpa_gpu(q, k, v, scale)
+    if _cpu["backend"] == "vllm" and q.device.type == "cpu":
+        from prefill_server.layers import vllm_cpu_attention
+
+        return vllm_cpu_attention.attention(q, k, v, scale, _cpu["block_size"], _cpu["query_chunk"])
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T, D]
     if tq == tk:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)

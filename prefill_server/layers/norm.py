@@ -1,6 +1,13 @@
-"""RMSNorm as vLLM's kernels compute it: float32 statistics, the weight applied in float32, one
-rounding to the input dtype (Hugging Face rounds before applying the weight: up to one bf16 ulp
-apart). On CUDA one fused pass (``layers.fused``); elsewhere the plain PyTorch ops."""
+"""RMSNorm.
+
+Off CUDA (and whenever the fused kernels are off) it computes exactly what a vLLM 0.32 decode runs
+by default (``vllm/ir/ops/layernorm.py``, the "native" IR ops its CPU build picks): float32
+statistics, the normalized value rounded to the model dtype, then multiplied by the weight in the
+model dtype; and ``add_forward`` is its fused add + norm, which normalizes the float32 sum of the
+residual and the layer output (unrounded) while carrying the rounded sum on as the residual. Bit
+equality of our KV with a vLLM CPU decode's depends on that (docs/e2e-cpu-notes.md). On CUDA one
+fused pass (``layers.fused``: float32 statistics, weight in float32, one rounding).
+"""
 from __future__ import annotations
 
 import torch
@@ -21,11 +28,22 @@ class RMSNorm(nn.Module):
             y = fused.rms_norm(x, self.weight, self.eps)
             if y is not None:
                 return y
-        in_dtype = x.dtype
-        xf = x.float()
+        return self._native(x.float(), x.dtype)
+
+    def add_forward(self, delta: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """delta, residual [..., dim] -> (norm(residual + delta), residual + delta rounded to the
+        input dtype). Off CUDA the norm sees the float32 sum before rounding (vLLM's fused add)."""
+        if fused.available(residual):
+            new_residual = residual + delta
+            return self.forward(new_residual), new_residual
+        total = residual.float() + delta.float()
+        return self._native(total, residual.dtype), total.to(residual.dtype)
+
+    def _native(self, xf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """xf float32 [..., dim] -> [..., dim] in dtype: normalize in float32, round, then weight."""
         variance = xf.pow(2).mean(-1, keepdim=True)
-        xf = xf * torch.rsqrt(variance + self.eps)
-        return (xf * self.weight.float()).to(in_dtype)
+        y = (xf * torch.rsqrt(variance + self.eps)).to(dtype)
+        return y * self.weight.to(dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

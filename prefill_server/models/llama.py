@@ -110,7 +110,8 @@ class MLP(nn.Module):
                 return residual.addmm_(act, self.down_proj.weight.t())
             return torch.addmm(residual, act, self.down_proj.weight.t(), out=out)
         gate, up = self.gate_up_proj.forward_split(x)  # [T, inter] each
-        y = self.down_proj((F.silu(gate.float()) * up.float()).to(gate.dtype))  # [T, hidden]; one rounding
+        y = self.down_proj(F.silu(gate) * up)  # [T, hidden]; rounded after silu and after the
+        #                                        product, as vLLM's x86 CPU SiluAndMul (forward_native)
         if residual is None:
             return y
         return residual + y if out is None else torch.add(residual, y, out=out)
@@ -124,9 +125,39 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn,
-                chunk: int) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]; may update x in place."""
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                attn: AttentionFn, chunk: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [T, hidden]: the residual stream; delta [T, hidden] or None: the previous layer's MLP
+        output, not yet added to x. Returns (x, delta) for the next layer; may update x in place.
+
+        Off CUDA the adds happen inside the norms, as in vLLM (``RMSNorm.add_forward``); on CUDA
+        they are fused into the GEMMs and delta is always None."""
+        if fused.available(x):
+            return self._forward_fused(x, cos, sin, attn, chunk), None
+        sa = self.self_attn
+        t = x.shape[0]
+        q = x.new_empty(t, sa.num_heads, sa.head_dim)
+        k = x.new_empty(t, sa.num_kv_heads, sa.head_dim)
+        v = x.new_empty(t, sa.num_kv_heads, sa.head_dim)
+        for s in range(0, t, chunk):
+            e = min(t, s + chunk)
+            if delta is None:
+                normed = self.input_layernorm(x[s:e])
+            else:
+                normed, x[s:e] = self.input_layernorm.add_forward(delta[s:e], x[s:e])
+            sa.project(normed, cos[s:e], sin[s:e], out=(q[s:e], k[s:e], v[s:e]))
+        o = attn(sa.layer, q, k, v).reshape(t, -1)  # [T, Hq * D]
+        del q, k, v
+        mlp_out = torch.empty_like(x) if delta is None else delta
+        for s in range(0, t, chunk):
+            e = min(t, s + chunk)
+            normed, x[s:e] = self.post_attention_layernorm.add_forward(sa.o_proj(o[s:e]), x[s:e])
+            mlp_out[s:e] = self.mlp(normed)
+        return x, mlp_out
+
+    def _forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn,
+                       chunk: int) -> torch.Tensor:
+        """CUDA: x [T, hidden] -> [T, hidden], residual adds fused into the o_proj / down GEMMs."""
         sa = self.self_attn
         t = x.shape[0]
         if t <= chunk:
@@ -179,8 +210,11 @@ class LlamaForCausalLM(nn.Module):
         (all T rows if None)."""
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, x.dtype)  # [T, D] each
+        delta = None  # the last MLP output, not yet added to x (off CUDA)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, attn, self.chunk_tokens)
+            x, delta = layer(x, delta, cos, sin, attn, self.chunk_tokens)
         if logits_indices is not None:
             x = x[logits_indices]  # [B, hidden]
-        return self.lm_head(self.model.norm(x)).float()  # [B, vocab]
+            delta = None if delta is None else delta[logits_indices]
+        h = self.model.norm(x) if delta is None else self.model.norm.add_forward(delta, x)[0]
+        return self.lm_head(h).float()  # [B, vocab]

@@ -54,6 +54,8 @@ def build_service(ecfg: EngineConfig, scfg: ServerConfig) -> PrefillService:
                                       port=scfg.side_channel_port, lease_ttl_s=ecfg.lease_ttl_s)
         served = scfg.served_model_name or decode_info.served_model_name
     c = m.config
+    if m.device.type == "cpu":
+        build.configure_cpu(ecfg, pool.block_size)
     runner = build.make_runner(m, pool, ecfg.attention)
     engine = Engine(runner, pool, producer, max_model_len=c.max_position_embeddings, vocab_size=c.vocab_size,
                     token_budget=ecfg.token_budget, max_num_seqs=ecfg.max_num_seqs,

@@ -13,10 +13,11 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from gateway import GatewayThread
 from prompts import all_prompts
-from test_pipeline import ask, check_bf16, report_dir
+from test_pipeline import BF16_DECODE_ARGS, ask, bf16_engine_options, check_bf16, report_dir
 from prefill_server.config import EngineConfig, ServerConfig
 from prefill_server.connector_config import vllm_connector_config
 from prefill_server.local_vllm import VllmDecode, free_port
@@ -35,11 +36,12 @@ def secret_file(tmp_path_factory):
 
 
 def connector_vllm(model_dir, log_path, secret_file: str, dtype: str,
-                   transfer_timeout_s: float = TRANSFER_TIMEOUT_S) -> VllmDecode:
+                   transfer_timeout_s: float = TRANSFER_TIMEOUT_S, extra_args=()) -> VllmDecode:
     from conftest import DECODE_BLOCK_SIZE
 
     return VllmDecode(model=str(model_dir), log_path=log_path, dtype=dtype, block_size=DECODE_BLOCK_SIZE,
-                      kv_transfer_config=vllm_connector_config(secret_file, transfer_timeout_s))
+                      kv_transfer_config=vllm_connector_config(secret_file, transfer_timeout_s),
+                      extra_args=list(extra_args))
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +59,9 @@ def connector_decode(decode_model_dir, tmp_path_factory, secret_file):
         yield d
 
 
-def connector_gateway(decode: VllmDecode, secret_file: str, dtype: str) -> GatewayThread:
-    svc = build_service(EngineConfig(model=decode.model, dtype=dtype, block_size=0,
-                                     kv_cache_gib=0.25, token_budget=1024),
+def connector_gateway(decode: VllmDecode, secret_file: str, dtype: str, **engine_options) -> GatewayThread:
+    opts = dict(token_budget=1024) | engine_options
+    svc = build_service(EngineConfig(model=decode.model, dtype=dtype, block_size=0, kv_cache_gib=0.25, **opts),
                         ServerConfig(transfer_mode="connector", decode_url=decode.url,
                                      secret_file=secret_file, register_timeout_s=30))
     assert svc.engine.pool.block_size == decode.block_size
@@ -229,11 +231,14 @@ def test_decode_abort_mid_transfer_frees_both_sides(connector_decode, gateway):
 def test_bf16_connector_mode(decode_model_dir, tmp_path_factory, secret_file):
     log = tmp_path_factory.mktemp("vllm-connector-bf16") / "vllm-decode.log"
     # bf16 matmuls are slow on CPUs without AMX: one layer of a 3K prompt can take well over the
-    # 20 s the kill test uses, on a loaded 2-core machine; keep the connector's default here
-    with connector_vllm(decode_model_dir, log, secret_file, "bfloat16", 120.0) as decode:
+    # 20 s the kill test uses, on a loaded 2-core machine; keep the connector's default here.
+    # Bits: our prefill mirrors the decode's kernel and schedule (test_pipeline.bf16_engine_options).
+    threads = torch.get_num_threads()
+    with connector_vllm(decode_model_dir, log, secret_file, "bfloat16", 120.0, BF16_DECODE_ARGS) as decode:
         decode.completion("Warm up.", max_tokens=2)
-        gw = connector_gateway(decode, secret_file, "bfloat16")
+        gw = connector_gateway(decode, secret_file, "bfloat16", **bf16_engine_options())
         try:
             check_bf16(decode, gw, report_dir(log.parent) / "bf16_report_connector.json")
         finally:
             gw.stop()
+            torch.set_num_threads(threads)

@@ -16,7 +16,7 @@ import torch
 
 from gateway import GatewayThread
 from prompts import Prompt, all_prompts
-from prefill_server.local_vllm import VllmDecode, vllm_python
+from prefill_server.local_vllm import VllmDecode, vllm_package_dir, vllm_python
 
 from prefill_server.config import EngineConfig, ServerConfig
 from prefill_server.serving.server import build_service
@@ -25,19 +25,10 @@ MAX_TOKENS = 32
 pytestmark = pytest.mark.e2e
 
 
-def ask(base_url: str, p: Prompt, model: str | None = None, timeout: float = 600) -> list[tuple[str, float]]:
-    """32 greedy tokens for prompt p: [(token, top1 - top2 logprob margin)]."""
-    if p.kind == "plain":
-        body = {"prompt": p.text, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 2}
-        path = "/v1/completions"
-    else:
-        body = {"messages": p.chat(), "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": True,
-                "top_logprobs": 2}
-        path = "/v1/chat/completions"
-    if model:
-        body["model"] = model
-    r = httpx.post(base_url + path, json=body, timeout=timeout)
-    assert r.status_code == 200, f"{p.name}: {r.status_code} {r.text[:1000]}"
+def ask(base_url: str, p: Prompt, model: str | None = None, timeout: float = 600,
+        extra: dict | None = None) -> list[tuple[str, float]]:
+    """32 greedy tokens for prompt p: [(token, top1 - top2 logprob margin)]. extra: more body fields."""
+    r = post_prompt(base_url, p, model, timeout, extra)
     choice = r.json()["choices"][0]
     out = []
     if p.kind == "plain":
@@ -52,9 +43,38 @@ def ask(base_url: str, p: Prompt, model: str | None = None, timeout: float = 600
     return out
 
 
-def pipeline(decode: VllmDecode, dtype: str) -> GatewayThread:
-    svc = build_service(EngineConfig(model=decode.model, dtype=dtype, block_size=0, kv_cache_gib=0.25,
-                                     token_budget=1024),
+def post_prompt(base_url: str, p: Prompt, model: str | None = None, timeout: float = 600,
+                extra: dict | None = None) -> httpx.Response:
+    """The OpenAI request ``ask`` sends (32 greedy tokens, top-2 logprobs); asserts HTTP 200."""
+    if p.kind == "plain":
+        body = {"prompt": p.text, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 2}
+        path = "/v1/completions"
+    else:
+        body = {"messages": p.chat(), "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": True,
+                "top_logprobs": 2}
+        path = "/v1/chat/completions"
+    if model:
+        body["model"] = model
+    body |= extra or {}
+    r = httpx.post(base_url + path, json=body, timeout=timeout)
+    assert r.status_code == 200, f"{p.name}: {r.status_code} {r.text[:1000]}"
+    return r
+
+
+# bf16 compares bits, and vLLM's CPU attention kernel rounds differently from torch SDPA (and
+# differently again per query chunk and thread count: prefill_server/layers/vllm_cpu_attention.py).
+# So in bf16 our prefill runs the decode's kernel with the decode's schedule: 1 OpenMP thread (the
+# decode's VLLM_CPU_OMP_THREADS_BIND=0) and chunks of 2048 tokens (its max_num_batched_tokens).
+BF16_DECODE_ARGS = ["--max-num-batched-tokens", "2048"]
+
+
+def bf16_engine_options() -> dict:
+    return dict(token_budget=2048, cpu_attention="vllm", vllm_ops=str(vllm_package_dir()), cpu_threads=1)
+
+
+def pipeline(decode: VllmDecode, dtype: str, **engine_options) -> GatewayThread:
+    opts = dict(token_budget=1024) | engine_options
+    svc = build_service(EngineConfig(model=decode.model, dtype=dtype, block_size=0, kv_cache_gib=0.25, **opts),
                         ServerConfig(transfer_mode="nixl-compat", decode_url=decode.url))
     assert svc.engine.pool.block_size == decode.block_size  # adopted from the decode
     return GatewayThread(svc, decode.url).start()
@@ -200,10 +220,13 @@ def report_dir(fallback: pathlib.Path) -> pathlib.Path:
                     reason="no .venv-vllm")
 def test_bf16_first_tokens_match_and_divergences_are_near_ties(decode_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm-bf16") / "vllm-decode.log"
-    with VllmDecode(model=str(decode_model_dir), log_path=log, dtype="bfloat16", block_size=32) as decode:
+    threads = torch.get_num_threads()
+    with VllmDecode(model=str(decode_model_dir), log_path=log, dtype="bfloat16", block_size=32,
+                    extra_args=BF16_DECODE_ARGS) as decode:
         decode.completion("Warm up.", max_tokens=2)
-        gw = pipeline(decode, "bfloat16")
+        gw = pipeline(decode, "bfloat16", **bf16_engine_options())
         try:
             check_bf16(decode, gw, report_dir(log.parent) / "bf16_report_nixl_compat.json")
         finally:
             gw.stop()
+            torch.set_num_threads(threads)
