@@ -4,17 +4,23 @@ on the same masks, at one or more lengths, plus the estimator, all in the same r
     PYTHONPATH=. python3 scripts/gpu/bsa_tune.py --out $OUT/tune.json --best $OUT/best.txt \
         [--tokens 131072,262144] [--finalists 3] [--no-flex]
 
-Every variant is timed at the first length; the ``--finalists`` fastest (sum over the densities) and
-the first variant (the current default, as a same-run baseline) also at the later lengths. The first
-variant is timed twice at the first length (first and last) to show the run-to-run spread. Writes
-JSON (partial results survive a failure), prints a short table last.
-Variant = (mode, gp, tok, bn, num_warps, num_stages, maxnreg, ctas_per_sm, fma, kvload).
+Every variant is timed at the first length, in ``--rounds`` interleaved rounds per density (each
+round times every variant once; the median over rounds is the variant's time, the spread between
+rounds the noise). The first variant is the same-run baseline (the current default). "Best" = the
+fastest at the lowest density among the variants no more than 1% slower than the baseline at every
+other density; the ``--finalists`` best by that rule and the baseline are also timed at the later
+lengths. cuDNN dense is timed at the start and the end of each length. Writes JSON (partial results
+survive a failure), prints a short table last.
+Variant = (mode, gp, tok, bn, num_warps, num_stages, maxnreg, ctas_per_sm, fma, kvload, rcp, meta,
+diag, pref, lazy).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
+import statistics
 import subprocess
 import traceback
 
@@ -24,15 +30,16 @@ from prefill_server.bench.attention import fixed_mask, flex_block_mask, time_ms
 from prefill_server.kernels.block_sparse import SparseConfig, build_layout, plan, plan_from_mask
 from prefill_server.kernels.block_sparse import estimate, kernel, reference as ref
 
-VARIANTS = [  # (mode, gp, tok, bn, num_warps, num_stages, maxnreg, ctas_per_sm, fma, kvload)
-    ("grid", 4, 32, 64, 8, 2, 128, 2, 0, 0),  # calls 3-4 default (pointer loads, scale multiply)
-    ("grid", 4, 32, 64, 8, 2, 128, 2, 1, 0),  # scale folded into the exp2 FMA
-    ("grid", 4, 32, 64, 8, 2, 128, 2, 0, 2),  # K/V tiles through TMA descriptors
-    ("grid", 4, 32, 64, 8, 2, 128, 2, 1, 2),  # both
+VARIANTS = [  # (mode, gp, tok, bn, num_warps, num_stages, maxnreg, ctas_per_sm, fma, kvload, rcp, meta, diag, pref,
+    #           lazy)
+    ("grid", 4, 32, 64, 8, 2, 128, 2, 1, 2, 0, 0, 0, 0, 0.0),  # call-5 default (fma=1, TMA K/V)
+    ("grid", 4, 32, 64, 8, 2, 128, 2, 1, 2, 1, 0, 0, 0, 0.0),  # reciprocal epilogue
+    ("grid", 4, 32, 64, 8, 2, 128, 2, 1, 2, 1, 0, 0, 0, 8.0),  # + lazy rescale (threshold 2**8)
 ]
-# Left out of call 5 after the offline compile (scripts/gpu/aot_check.py): FMA + scalar tile base
-# (kvload=1: 18 spill reloads in the main loop); BN=32 (16% slower than BN=64 in call 4).
-KEYS = ("mode", "gp", "tok", "bn", "num_warps", "num_stages", "maxnreg", "ctas_per_sm", "fma", "kvload")
+# Call 7 also timed (docs/kernels-notes.md): meta=1 (even), diag=1 (+2-4% at 5-10%), pref=264 (even),
+# BN=32 with 3 stages, unserialised wgmma (+7-16%).
+KEYS = ("mode", "gp", "tok", "bn", "num_warps", "num_stages", "maxnreg", "ctas_per_sm", "fma", "kvload",
+        "rcp", "meta", "diag", "pref", "lazy")
 DENSITIES = (0.02, 0.05, 0.10)
 HQ, HKV, D = 32, 8, 128
 SMOKE = False  # --smoke: CPU dry run of this script (interpreter, fp16, tiny sizes, host timing)
@@ -114,13 +121,19 @@ def main():
     ap.add_argument("--tokens", default="131072")
     ap.add_argument("--finalists", type=int, default=2)
     ap.add_argument("--budget-ms", type=float, default=800.0)
+    ap.add_argument("--rounds", default="3", help="interleaved timing rounds at the first length, one number or "
+                    "one per density (3,2,2)")
+    ap.add_argument("--variants", default="", help="indices into VARIANTS (default: all; keep 0, the baseline)")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
-    global SMOKE, DTYPE, time_ms
+    global SMOKE, DTYPE, time_ms, VARIANTS
+    if args.variants:
+        VARIANTS = [VARIANTS[int(i)] for i in args.variants.split(",")]
+    rounds = [int(x) for x in args.rounds.split(",")]
+    rounds += [rounds[-1]] * (len(DENSITIES) - len(rounds))
     if args.smoke:
         SMOKE, DTYPE, args.no_flex = True, torch.float16, True
-        import os
         import sys
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests", "kernels"))
         import conftest  # noqa: F401 (the interpreter's NumPy >= 2.4 fix)
@@ -150,43 +163,61 @@ def main():
         from torch.nn.attention.flex_attention import flex_attention
         flex = torch.compile(flex_attention, dynamic=False)
     lengths = [int(x) for x in args.tokens.split(",")]
-    summary = {}
+    med = {}  # (tokens, density index, variant) -> median over rounds
+    base = ok_vars[0] if ok_vars and ok_vars[0] == VARIANTS[0] else None
+    ranked = []
+
+    def rank(t):
+        """Variants by time at the lowest density, those > 1% slower than the baseline elsewhere last."""
+        def key(var):
+            worse = base is not None and any(
+                med.get((t, i, var), 1e9) > 1.01 * med.get((t, i, base), 1e9) for i in range(1, len(DENSITIES)))
+            return (worse, med.get((t, 0, var), 1e9))
+        return sorted({var for (t_, _, var) in med if t_ == t}, key=key)
+
     for li, t in enumerate(lengths):
         q, k, v = rand_qkv(t, t, g, dev)
         cu = torch.tensor([0, t], dtype=torch.int32, device=dev)
         lay = build_layout(cu, cu, t, t, 128)
         qt, kt_, vt = (x.transpose(0, 1)[None] for x in (q, k, v))
-        with sdpa_kernel([SDPBackend.MATH if SMOKE else SDPBackend.CUDNN_ATTENTION]):
-            dense_ms, _ = time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
-                qt, kt_, vt, is_causal=True, enable_gqa=True), 1500)
-        rows.append({"tokens": t, "time": "dense_cudnn", "ms": dense_ms})
+
+        def cudnn(name):
+            with sdpa_kernel([SDPBackend.MATH if SMOKE else SDPBackend.CUDNN_ATTENTION]):
+                ms, _ = time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
+                    qt, kt_, vt, is_causal=True, enable_gqa=True), 1500)
+            rows.append({"tokens": t, "time": name, "ms": ms})
+            return ms
+
+        dense_ms = cudnn("dense_cudnn")
         cfg = SparseConfig(backend="triton")
         est_ms, _ = time_ms(lambda: plan(q, k, cu, cu, cfg, layout=lay), 500)
         rows.append({"tokens": t, "time": "estimator", "ms": est_ms, "frac_of_dense": est_ms / dense_ms})
         if li == 0:
             vars_t = list(ok_vars)
         else:
-            ranked = sorted((s, var) for var, s in summary[lengths[0]].items())
-            vars_t = [var for _, var in ranked[:args.finalists]]
-            if ok_vars and ok_vars[0] not in vars_t and ok_vars[0] == VARIANTS[0]:
-                vars_t.append(VARIANTS[0])
-        tot = {}
-        for dens in DENSITIES:
+            vars_t = list(dict.fromkeys(ranked[:args.finalists] + ([base] if base else [])))
+        for di, dens in enumerate(DENSITIES):
             sel = fixed_mask(lay, HKV, dens, seed=1)
             p = plan_from_mask(sel, lay)
             real = p.density()
             del sel
             p._sel = None
-            for var in vars_t:
+            times = {var: [] for var in vars_t}
+            for var in vars_t:  # compile and warm every variant before the first round
                 try:
                     launch(q, k, v, lay, p, var)
-                    ms, _ = time_ms(lambda: launch(q, k, v, lay, p, var), args.budget_ms)
-                    rows.append({"tokens": t, "time": "ours", "density": real, "variant": var, "ms": ms,
-                                 "vs_ideal": ms / (dense_ms * real)})
-                    tot[var] = tot.get(var, 0.0) + ms
                 except Exception:  # noqa: BLE001
                     rows.append({"tokens": t, "time": "ours", "density": real, "variant": var,
                                  "error": traceback.format_exc()[-600:]})
+                    times.pop(var)
+            for r in range(rounds[di] if li == 0 else 1):
+                for var in list(times):
+                    ms, _ = time_ms(lambda: launch(q, k, v, lay, p, var), args.budget_ms)
+                    times[var].append(ms)
+                    rows.append({"tokens": t, "time": "ours", "density": real, "variant": var, "round": r,
+                                 "ms": ms, "vs_ideal": ms / (dense_ms * real)})
+            for var, ts in times.items():
+                med[(t, di, var)] = statistics.median(ts)
             if flex is not None:
                 try:
                     bm = flex_block_mask(p, HQ, t, False)
@@ -195,25 +226,20 @@ def main():
                                     warmup=2)
                     rows.append({"tokens": t, "time": "flex", "density": real, "ms": ms,
                                  "vs_ideal": ms / (dense_ms * real)})
+                    med[(t, di, "flex")] = ms
                     del qf, kf, vf, bm
                 except Exception:  # noqa: BLE001
                     rows.append({"tokens": t, "time": "flex", "density": real,
                                  "error": traceback.format_exc()[-600:]})
-            if li == 0 and dens == 0.05 and vars_t:  # same variant again: the run-to-run spread
-                ms, _ = time_ms(lambda: launch(q, k, v, lay, p, vars_t[0]), args.budget_ms)
-                rows.append({"tokens": t, "time": "ours_repeat", "density": real, "variant": vars_t[0],
-                             "ms": ms})
+            med[(t, di, "density")] = real
             del p
             save()
-        summary[t] = {var: s for var, s in tot.items()
-                      if sum(1 for r in rows if r.get("tokens") == t and r.get("variant") == var
-                             and r.get("time") == "ours" and "ms" in r) == len(DENSITIES)}
         if li == 0:
-            ranked = sorted((s, var) for var, s in summary[t].items())
-            best = ranked[0][1] if ranked else VARIANTS[0]
+            ranked = [var for var in rank(t) if var not in ("flex", "density")]
+            best = ranked[0] if ranked else VARIANTS[0]
             with open(args.best, "w") as f:
                 f.write(",".join(f"{k_}={v_}" for k_, v_ in zip(KEYS, best)))
-            for var in dict.fromkeys([best, VARIANTS[0]]):  # all-blocks mode vs cuDNN
+            for var in dict.fromkeys([best] + ([base] if base else [])):  # all-blocks mode vs cuDNN
                 try:
                     ms, _ = time_ms(lambda: launch(q, k, v, lay, None, var, dense=True), 1000)
                     rows.append({"tokens": t, "time": "ours_dense_mode", "variant": var, "ms": ms,
@@ -221,22 +247,35 @@ def main():
                 except Exception:  # noqa: BLE001
                     rows.append({"tokens": t, "time": "ours_dense_mode", "variant": var,
                                  "error": traceback.format_exc()[-500:]})
+        dense_end = cudnn("dense_cudnn_end")
+        res.setdefault("summary", {})[str(t)] = {
+            "dense_cudnn_ms": [dense_ms, dense_end], "estimator_ms": est_ms,
+            "density": [med.get((t, i, "density")) for i in range(len(DENSITIES))],
+            "flex_ms": [med.get((t, i, "flex")) for i in range(len(DENSITIES))],
+            "variants": [(list(var), [med.get((t, i, var)) for i in range(len(DENSITIES))])
+                         for var in (rank(t) if li == 0 else vars_t) if var not in ("flex", "density")]}
         del q, k, v, qt, kt_, vt
         if not SMOKE:
             torch.cuda.empty_cache()
-        res["summary"] = {str(t_): [(list(var), s) for var, s in sorted(d.items(), key=lambda x: x[1])]
-                          for t_, d in summary.items()}
         res["smi_end"] = smi()
         save()
     print("correct variants:", len(ok_vars), "of", len(VARIANTS))
     for r in rows:
         if "check" in r and "error" not in r and r["rel_l2"] < 1e-2 and not r["nan"]:
             continue
+        if r.get("time") == "ours" and "error" not in r:
+            continue
         print({k_: (round(v_, 4) if isinstance(v_, float) else v_) for k_, v_ in r.items()})
-    for t_, lst in res["summary"].items():
-        print("sum ms over", DENSITIES, "at", t_, "(bn, fma, kvload):",
-              [((v_[3], v_[8], v_[9]), round(s, 2)) for v_, s in lst])
-
+    for t_, sm in res.get("summary", {}).items():
+        ideal = [min(sm["dense_cudnn_ms"]) * d for d in sm["density"]]
+        print(f"{t_}: cuDNN {sm['dense_cudnn_ms'][0]:.1f}/{sm['dense_cudnn_ms'][1]:.1f} ms, densities",
+              [round(d, 4) for d in sm["density"]], "flex", [round(x, 2) for x in sm["flex_ms"] if x])
+        for var, ms in sm["variants"]:
+            tag = ",".join(str(x) for x in var[3:6] + var[10:])
+            print(f"  bn,warps,stages / rcp,meta,diag,pref,lazy = {tag:26s} ms", [round(x, 2) if x else None for x in ms],
+                  "vs ideal (min cuDNN)", [round(x / i, 3) if x else None for x, i in zip(ms, ideal)],
+                  "vs flex", [round(f / x, 3) if x and f else None for x, f in zip(ms, sm["flex_ms"])])
+    print("best:", open(args.best).read() if os.path.exists(args.best) else None)
 
 if __name__ == "__main__":
     main()

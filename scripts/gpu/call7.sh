@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# GPU call 7 (issue 5, 128K at 2%): bf16 correctness of the new launch options (reciprocal epilogue,
+# item scalars from Layout.slot_info in one round trip, diagonal tiles in the TMA loop, L2 prefetch
+# of a later item's queries, BN=32 with 3 stages) against the reference (output and LSE poisoned
+# with NaN), then every variant vs cuDNN dense and FlexAttention on the same masks at 128K in
+# interleaved rounds (3 at 2%, 2 at 5% and 10%), the two best and the baseline at 256K, cuDNN at the
+# start and end of each length, in one run. Run from the repo root on the device machine.
+# Variants of this call (bsa_tune.py's VARIANTS then; now call 8's), all grid, gp 4, tok 32, 8 warps,
+# maxnreg 128, 2 CTAs/SM, fma 1, kvload 2, as (bn, stages, rcp, meta, diag, pref): (64, 2, 0, 0, 0, 0),
+# (64, 2, 1, 0, 0, 0), (64, 2, 1, 1, 0, 0), (64, 2, 1, 1, 1, 0), (64, 2, 1, 1, 1, 264), (32, 3, 1, 1, 1, 0),
+# (32, 3, 1, 1, 1, 264).
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
+timeout 400 python3 scripts/gpu/bsa_tune.py --tokens 131072,262144 --finalists 2 --rounds 3,2,2 \
+  --budget-ms 600 --out $OUT/tune.json --best $OUT/best.txt > $OUT/tune.log 2>&1
+echo "rc=$?"; grep -v Warn $OUT/tune.log | tail -n 40
+nvidia-smi --query-gpu=clocks.sm,temperature.gpu,power.draw --format=csv,noheader
