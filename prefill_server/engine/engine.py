@@ -19,9 +19,11 @@ destination blocks (or fails after the producer's register timeout), then runs w
 staging blocks; every layer is WRITTEN to the decode as soon as it is computed. ``producer.finish``
 waits for the last WRITE, then the engine frees the staging blocks. On any failure or abort the
 engine calls ``producer.abort`` (which waits for in-flight WRITEs and tells the decode) BEFORE
-freeing them. If the decode registered asking for the pull fallback (``producer.wants_pull``), the
-request runs like a pull-mode one (whole prompt in the pool, chunked) and ``producer.publish``
-leases its blocks to the decode, which READs them (``kv_transfer.pull``).
+freeing them; an abort while the forward runs stops it at the next layer (the runner checks
+``Sequence.abort_requested``), not at the end of the prompt. If the decode registered asking for
+the pull fallback (``producer.wants_pull``), the request runs like a pull-mode one (whole prompt in
+the pool, chunked) and ``producer.publish`` leases its blocks to the decode, which READs them
+(``kv_transfer.pull``).
 
 The engine never frees leased blocks itself; the producer never frees running blocks. A failed step
 fails only the requests in that step and the loop keeps serving.
@@ -134,6 +136,7 @@ class Engine:
             seq = self.scheduler.find(request_id)
             if seq is not None:
                 self._aborts.add(request_id)  # the loop removes it between steps
+                seq.abort_requested = True  # and a streamed forward stops at its next layer
                 self._wake.notify_all()
                 return True
         return bool(self.producer.abort(request_id))
@@ -164,7 +167,10 @@ class Engine:
                 raise self._push_error(chunks[0].seq)  # the decode went away after registering
             logits = self.runner.run(chunks)
         except Exception as e:  # a failed forward fails its requests only
-            log.exception("forward failed for %d chunk(s)", len(chunks))
+            if isinstance(e, RequestCancelled):  # an abort stopped a streamed forward
+                log.info("forward stopped: %s", e)
+            else:
+                log.exception("forward failed for %d chunk(s)", len(chunks))
             with self._wake:
                 for c in chunks:
                     self._fail(c.seq, e, locked=True)

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from prefill_server.engine.kv_pool import KVPool
-from prefill_server.engine.scheduler import Chunk, Scheduler
+from prefill_server.engine.scheduler import Chunk, Scheduler, Sequence
+from prefill_server.errors import RequestCancelled
 from prefill_server.layers.attention import dense_attention
 
 
@@ -29,18 +30,21 @@ class _SeqSlice:
 
 
 class _Stream:
-    """Staging of one streamed prompt: per slot, flat pool pages [m] and per-token pages [T]."""
+    """Staging of one streamed prompt: per slot, flat pool pages [m] and per-token pages [T]. An
+    abort of the sequence (``Engine.abort``) stops the forward at the next layer: nothing more is
+    computed or written (the engine then aborts the transfer and frees the staging blocks)."""
 
-    def __init__(self, pool: KVPool, producer, request_id: str, block_ids: list[int], num_tokens: int,
-                 slots: int):
-        self.producer, self.request_id, self.slots = producer, request_id, slots
+    def __init__(self, pool: KVPool, producer, seq: Sequence, num_tokens: int, slots: int):
+        self.producer, self.seq, self.request_id, self.slots = producer, seq, seq.request_id, slots
         pos = torch.arange(num_tokens)
-        self.pages = [pool.stream_pages(block_ids, num_tokens, s, slots) for s in range(slots)]
+        self.pages = [pool.stream_pages(seq.block_ids, num_tokens, s, slots) for s in range(slots)]
         self.token_pages = [torch.tensor(p, dtype=torch.long)[pos // pool.block_size].to(pool.device)
                             for p in self.pages]
         self.offsets = (pos % pool.block_size).to(pool.device)
 
     def write(self, pool: KVPool, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.seq.abort_requested:
+            raise RequestCancelled(f"request {self.request_id} was aborted (at layer {layer})")
         slot = layer % self.slots
         if layer >= self.slots:
             self.producer.wait_layer(self.request_id, layer - self.slots)  # slot's previous WRITE
@@ -116,8 +120,7 @@ class ModelRunner:
         if len(chunks) == 1 and chunks[0].seq.push:
             c = chunks[0]
             assert c.start == 0 and c.is_last, "a streamed prompt runs whole, in one step"
-            stream = _Stream(self.pool, self.producer, c.seq.request_id, c.seq.block_ids, c.end,
-                             Scheduler.STREAM_SLOTS)
+            stream = _Stream(self.pool, self.producer, c.seq, c.end, Scheduler.STREAM_SLOTS)
         attn = PagedAttention(self.pool, slices, self.scale, self.sparse, stream)
         idx = torch.tensor(last_rows, dtype=torch.long, device=self.device)
         logits = self.model(input_ids, positions, attn, idx)  # [n_last, V]; empty rows are cheap

@@ -33,6 +33,7 @@ class Sequence:
     num_computed: int = 0
     params: dict | None = None  # connector mode: the kv_transfer_params handed to the decode at submit
     pull: bool = False  # connector mode, the decode asked for pull: computed whole, then leased
+    abort_requested: bool = False  # Engine.abort while running: a streamed forward stops at its next layer
 
     @property
     def request_id(self) -> str:

@@ -4,6 +4,7 @@ pool, leases the blocks, the decode READs them over NIXL/UCX on DRAM and its not
 them. Failure paths: lease expiry, cancels on both sides, prefill failure, strangers."""
 from __future__ import annotations
 
+import threading
 import time
 
 import msgspec
@@ -119,25 +120,29 @@ def test_decode_cancel_frees_both_sides_while_computing_or_leased(setup, loaded)
         assert setup.producer.state("c1") is TransferState.ABORTED
     finally:
         quiet.close()
-    # while the prefill computes: the engine fails the request and frees its blocks
-    gate = setup.engine.runner.run
+    # while the prefill computes (its forward held until the Cancel was handled, however slow the
+    # machine): the engine fails the request and frees its blocks
+    run, cancel = setup.engine.runner.run, setup.producer._cancel
+    computing, cancelled = threading.Event(), threading.Event()
 
-    def slow(chunks):
-        time.sleep(1.0)
-        return gate(chunks)
+    def held(chunks):
+        computing.set()
+        assert cancelled.wait(60), "the decode's Cancel never reached the prefill"
+        return run(chunks)
 
-    setup.engine.runner.run = slow
+    def noted(identity, msg):
+        cancel(identity, msg)
+        cancelled.set()
+
+    setup.engine.runner.run, setup.producer._cancel = held, noted
     try:
         fut = setup.run_pull("c2", ids, blocks)
-        deadline = time.monotonic() + 10
-        while not setup.producer.wants_pull("c2") and time.monotonic() < deadline:
-            time.sleep(0.005)
-        p = setup.producer
-        setup.receiver.cancel("127.0.0.1", p.port, "c2")
+        assert computing.wait(60) and setup.producer.wants_pull("c2")
+        setup.receiver.cancel("127.0.0.1", setup.producer.port, "c2")
         with pytest.raises(Exception, match="cancelled by the decode|aborted"):
-            fut.result(timeout=60)
+            fut.result(timeout=120)
     finally:
-        setup.engine.runner.run = gate
+        setup.engine.runner.run, setup.producer._cancel = run, cancel
     assert setup.wait_pool_empty() == 0
 
 
