@@ -11,8 +11,7 @@ fastest at the lowest density among the variants no more than 1% slower than the
 other density; the ``--finalists`` best by that rule and the baseline are also timed at the later
 lengths. cuDNN dense is timed at the start and the end of each length. Writes JSON (partial results
 survive a failure), prints a short table last.
-Variant = (mode, gp, tok, bn, num_warps, num_stages, maxnreg, ctas_per_sm, fma, kvload, rcp, meta,
-diag, pref, lazy).
+Variant = (mode, gp, tok, bn, num_warps, num_stages, maxnreg, ctas_per_sm, fma, kvload, rcp).
 """
 from __future__ import annotations
 
@@ -30,16 +29,14 @@ from prefill_server.bench.attention import fixed_mask, flex_block_mask, time_ms
 from prefill_server.kernels.block_sparse import SparseConfig, build_layout, plan, plan_from_mask
 from prefill_server.kernels.block_sparse import estimate, kernel, reference as ref
 
-VARIANTS = [  # (mode, gp, tok, bn, num_warps, num_stages, maxnreg, ctas_per_sm, fma, kvload, rcp, meta, diag, pref,
-    #           lazy)
-    ("grid", 4, 32, 64, 8, 2, 128, 2, 1, 2, 0, 0, 0, 0, 0.0),  # call-5 default (fma=1, TMA K/V)
-    ("grid", 4, 32, 64, 8, 2, 128, 2, 1, 2, 1, 0, 0, 0, 0.0),  # reciprocal epilogue
-    ("grid", 4, 32, 64, 8, 2, 128, 2, 1, 2, 1, 0, 0, 0, 8.0),  # + lazy rescale (threshold 2**8)
+VARIANTS = [  # (mode, gp, tok, bn, num_warps, num_stages, maxnreg, ctas_per_sm, fma, kvload, rcp)
+    ("grid", 4, 32, 64, 8, 2, 128, 2, 1, 2, 1),  # the default since call 8 (reciprocal epilogue)
+    ("grid", 4, 32, 64, 8, 2, 128, 2, 1, 2, 0),  # call-5 default
 ]
-# Call 7 also timed (docs/kernels-notes.md): meta=1 (even), diag=1 (+2-4% at 5-10%), pref=264 (even),
-# BN=32 with 3 stages, unserialised wgmma (+7-16%).
-KEYS = ("mode", "gp", "tok", "bn", "num_warps", "num_stages", "maxnreg", "ctas_per_sm", "fma", "kvload",
-        "rcp", "meta", "diag", "pref", "lazy")
+# Calls 7-8 (docs/kernels-notes.md) also timed options dropped since (code in commit 1adbf54): item
+# scalars in one round trip, diagonal tiles in the TMA loop, L2 prefetch of Q, BN=32 with 3 stages,
+# lazy rescale.
+KEYS = ("mode", "gp", "tok", "bn", "num_warps", "num_stages", "maxnreg", "ctas_per_sm", "fma", "kvload", "rcp")
 DENSITIES = (0.02, 0.05, 0.10)
 HQ, HKV, D = 32, 8, 128
 SMOKE = False  # --smoke: CPU dry run of this script (interpreter, fp16, tiny sizes, host timing)
@@ -272,7 +269,7 @@ def main():
               [round(d, 4) for d in sm["density"]], "flex", [round(x, 2) for x in sm["flex_ms"] if x])
         for var, ms in sm["variants"]:
             tag = ",".join(str(x) for x in var[3:6] + var[10:])
-            print(f"  bn,warps,stages / rcp,meta,diag,pref,lazy = {tag:26s} ms", [round(x, 2) if x else None for x in ms],
+            print(f"  bn,warps,stages / rcp = {tag:12s} ms", [round(x, 2) if x else None for x in ms],
                   "vs ideal (min cuDNN)", [round(x / i, 3) if x else None for x, i in zip(ms, ideal)],
                   "vs flex", [round(f / x, 3) if x and f else None for x, f in zip(ms, sm["flex_ms"])])
     print("best:", open(args.best).read() if os.path.exists(args.best) else None)

@@ -5,7 +5,8 @@
 # with NaN), then every variant vs cuDNN dense and FlexAttention on the same masks at 128K in
 # interleaved rounds (3 at 2%, 2 at 5% and 10%), the two best and the baseline at 256K, cuDNN at the
 # start and end of each length, in one run. Run from the repo root on the device machine.
-# Variants of this call (bsa_tune.py's VARIANTS then; now call 8's), all grid, gp 4, tok 32, 8 warps,
+# Runs as recorded at commit 1adbf54 only (the options were dropped after call 8).
+# Variants of this call (bsa_tune.py's VARIANTS then), all grid, gp 4, tok 32, 8 warps,
 # maxnreg 128, 2 CTAs/SM, fma 1, kvload 2, as (bn, stages, rcp, meta, diag, pref): (64, 2, 0, 0, 0, 0),
 # (64, 2, 1, 0, 0, 0), (64, 2, 1, 1, 0, 0), (64, 2, 1, 1, 1, 0), (64, 2, 1, 1, 1, 264), (32, 3, 1, 1, 1, 0),
 # (32, 3, 1, 1, 1, 264).

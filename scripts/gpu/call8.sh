@@ -5,6 +5,7 @@
 # same masks at 128K in interleaved rounds (5 at 2%, 3 at 5% and 10%) and at 256K, cuDNN at the start
 # and end of each length; then the GPU tests with the fastest variant made the default.
 # Run from the repo root on the device machine.
+# Runs as recorded at commit 1adbf54 only (meta/diag/pref/lazy were dropped after this call).
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
 timeout 240 python3 scripts/gpu/bsa_tune.py --tokens 131072,262144 --finalists 2 --rounds 5,3,3 \

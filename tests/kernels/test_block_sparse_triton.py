@@ -62,11 +62,12 @@ def test_kernel_tilings(triton_device, gp, tok, bn, mode):
     assert (l.double().cpu() - l2).abs().max() < 1e-3
 
 
-@pytest.mark.parametrize("fma,kvload", [(1, 0), (0, 1), (1, 2), (0, 2)])
+@pytest.mark.parametrize("fma,kvload,rcp", [(1, 0, 0), (0, 1, 1), (1, 2, 1), (0, 2, 0)])
 @pytest.mark.parametrize("dense", [False, True])
-def test_kernel_load_and_softmax_variants(triton_device, fma, kvload, dense):
+def test_kernel_load_and_softmax_variants(triton_device, fma, kvload, rcp, dense):
     """Grid scheme: scale folded into the exp2 FMA, K/V tiles from a scalar base + invariant offsets
-    (kvload=1) or TMA tensor descriptors (kvload=2), on varlen q_len < k_len, sparse and dense."""
+    (kvload=1) or TMA tensor descriptors (kvload=2), reciprocal epilogue (rcp), on varlen
+    q_len < k_len, sparse and dense."""
     bs = 32
     q, k, v, cu_q, cu_k = batch([70, 33, 40], [150, 33, 300], 8, 2, 64, bs, dtype=torch.float16,
                                 device=triton_device)
@@ -80,63 +81,11 @@ def test_kernel_load_and_softmax_variants(triton_device, fma, kvload, dense):
     out = torch.full_like(q, float("nan"))
     lse = torch.full((q.shape[0], q.shape[1]), float("nan"), device=q.device)
     o, l = kernel.attention(q, k, v, lay, p.idx, p.cnt, dense=dense, out=out, lse=lse, mode="grid",
-                            bn=32, fma=fma, kvload=kvload)
+                            bn=32, fma=fma, kvload=kvload, rcp=rcp)
     assert not torch.isnan(o).any() and not torch.isnan(l).any(), "unwritten output"
     o2, l2 = brute_force(q, k, v, cu_q, cu_k, sel, bs)
     assert rel_l2(o, o2) < TOL[torch.float16]
     assert (l.double().cpu() - l2).abs().max() < 1e-3
-
-
-@pytest.mark.parametrize("rcp,meta,diag,lazy,tok,bn", [
-    (1, 0, 0, 0, 32, 32),  # reciprocal epilogue alone
-    (0, 1, 0, 0, 16, 32),  # item scalars from Layout.slot_info (+ first index) in one round trip
-    (1, 1, 1, 0, 32, 32),  # diagonal tiles in the TMA loop
-    (1, 1, 1, 0, 16, 16),  # ... several diagonal tiles per item, sub-tiles of a query block
-    (0, 0, 1, 0, 8, 16),  # ... without the metadata row
-    (1, 0, 0, 8.0, 32, 16),  # lazy rescale (threshold 8: on these scores only the first tile)
-    (1, 0, 0, 0.5, 16, 16),  # lazy rescale, low threshold: tiles that do and do not rescale
-    (1, 1, 1, 0.5, 16, 16),
-])
-@pytest.mark.parametrize("dense", [False, True])
-def test_kernel_epilogue_meta_and_diag_variants(triton_device, rcp, meta, diag, lazy, tok, bn, dense):
-    """Grid scheme, TMA loads: reciprocal epilogue, one-row item metadata, the diagonal region's
-    tiles inside the TMA loop (masked only where a tile reaches past the item's first query), lazy
-    rescaling of the running max, on varlen q_len < k_len with a diagonal straddling two key blocks
-    and partial blocks."""
-    bs = 32
-    q, k, v, cu_q, cu_k = batch([70, 33, 40], [150, 33, 300], 8, 2, 64, bs, seed=3, dtype=torch.float16,
-                                device=triton_device, structured_data=True)  # block-wise score offsets
-    lay = build_layout(cu_q, cu_k, q.shape[0], k.shape[0], bs)
-    sel = (torch.rand(lay.n_slots, 2, lay.max_kblocks, generator=torch.Generator().manual_seed(9))
-           < 0.4).to(triton_device)
-    if dense:
-        sel = torch.ones_like(sel)
-    p = plan_from_mask(sel, lay, SparseConfig(block_size=bs, backend="triton"))
-    from prefill_server.kernels.block_sparse import kernel
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full((q.shape[0], q.shape[1]), float("nan"), device=q.device)
-    o, l = kernel.attention(q, k, v, lay, p.idx, p.cnt, dense=dense, out=out, lse=lse, mode="grid",
-                            gp=4, tok=tok, bn=bn, fma=1, kvload=2, rcp=rcp, meta=meta, diag=diag, lazy=lazy)
-    assert not torch.isnan(o).any() and not torch.isnan(l).any(), "unwritten output"
-    o2, l2 = brute_force(q, k, v, cu_q, cu_k, sel, bs)
-    assert rel_l2(o, o2) < TOL[torch.float16]
-    assert (l.double().cpu() - l2).abs().max() < 1e-3
-
-
-def test_layout_slot_info():
-    """Layout.slot_info rows: (first query row, queries left, first key row, first query position)."""
-    cu_q = torch.tensor([0, 70, 103], dtype=torch.int32)
-    cu_k = torch.tensor([0, 150, 183], dtype=torch.int32)
-    lay = build_layout(cu_q, cu_k, 103, 183, 32)
-    assert lay.slot_info.tolist() == [[0, 70, 0, 80], [32, 38, 0, 112], [64, 6, 0, 144], [70, 33, 150, 0],
-                                      [102, 1, 150, 32]]
-    cu_q = torch.tensor([0, 64, 128], dtype=torch.int32)  # 6 slots, the last two unused
-    cu_k = torch.tensor([0, 64, 164], dtype=torch.int32)
-    lay = build_layout(cu_q, cu_k, 128, 164, 32)
-    assert lay.slot_info.tolist() == [[0, 64, 0, 0], [32, 32, 0, 32], [64, 64, 64, 36], [96, 32, 64, 68],
-                                      [0, 0, 0, 0], [0, 0, 0, 0]]
-    empty = build_layout(torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), 0, 0, 32)
-    assert empty.slot_info.tolist() == [[0, 0, 0, 0]]
 
 
 @pytest.mark.parametrize("mode", ["grid", "persistent"])

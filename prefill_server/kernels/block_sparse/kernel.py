@@ -7,10 +7,10 @@ the block's first query: no mask), then the diagonal region with the causal mask
 base 2; writes out (q.dtype) and LSE (float32, natural log) [Tq, Hq]. Options of the grid scheme's
 off-diagonal loop: ``FMA`` (running max kept in scaled units, so ``s * scale - m`` is one FMA),
 ``KVLOAD`` (0: per-element pointers, 1: scalar tile base + invariant offsets, 2: TMA descriptors);
-of its epilogue: ``RCP`` (one reciprocal per row instead of a division per element). Options
-measured on the H200 and kept off (docs/kernels-notes.md, calls 7-8): ``META`` (item scalars from
-``Layout.slot_info`` in one round trip), ``DIAG`` (diagonal tiles first in the TMA loop), ``PREF``
-(L2 prefetch of a later item's queries), ``LAZY`` (rescale only when a row's max grows past 2**LAZY).
+of its epilogue: ``RCP`` (one reciprocal per row instead of a division per element). Measured on the
+H200 and dropped (docs/kernels-notes.md, calls 7-8; code in commit 1adbf54): item scalars in one
+round trip, the diagonal tiles in the TMA loop, an L2 prefetch of a later item's queries, BN=32
+with 3 stages, and a lazy (thresholded) rescale of the running max.
 
 Two launch schemes compute the same thing:
 - ``grid``: one program per item (``MERGED`` folds the diagonal tiles into the same pipelined loop);
@@ -71,23 +71,10 @@ def _item(item, n_slots, SLOT_SEQ, SLOT_QBLK, CU_Q, CU_K, G: tl.constexpr, GP: t
 
 
 @triton.jit
-def _softmax_step(s, v, m_i, l_i, acc, qk_scale, FMA: tl.constexpr, LAZY: tl.constexpr = 0.0):
-    """Online-softmax update with the raw scores ``s`` of one tile (masked entries -inf).
-    ``LAZY`` > 0 (with FMA): the running max and the rescale of ``acc``/``l`` change only when some
-    row's tile max exceeds it by more than LAZY (log2 units; one uniform branch per tile, decided over
-    the whole program), so p <= 2**LAZY; exact softmax either way (LSE uses the max actually kept)."""
-    if LAZY > 0.0:
-        m_tile = tl.max(s, 1) * qk_scale
-        if tl.max(m_tile - m_i, 0) > LAZY:
-            m_new = tl.maximum(m_i, m_tile)
-            alpha = tl.exp2(m_i - m_new)
-            acc = acc * alpha[:, None]
-            l_i = l_i * alpha
-            m_i = m_new
-        p = tl.exp2(s * qk_scale - m_i[:, None])
-        l_i = l_i + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc)
-        return m_i, l_i, acc
+def _update(q, k, v, s_ok, m_i, l_i, acc, qk_scale, MASK: tl.constexpr, FMA: tl.constexpr):
+    s = tl.dot(q, tl.trans(k))
+    if MASK:
+        s = tl.where(s_ok, s, float("-inf"))
     if FMA:  # m in scaled units; s * scale - m is one FMA per score (the scale > 0 commutes with max)
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         p = tl.exp2(s * qk_scale - m_new[:, None])
@@ -100,15 +87,6 @@ def _softmax_step(s, v, m_i, l_i, acc, qk_scale, FMA: tl.constexpr, LAZY: tl.con
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc)
     return m_new, l_i, acc
-
-
-@triton.jit
-def _update(q, k, v, s_ok, m_i, l_i, acc, qk_scale, MASK: tl.constexpr, FMA: tl.constexpr,
-            LAZY: tl.constexpr = 0.0):
-    s = tl.dot(q, tl.trans(k))
-    if MASK:
-        s = tl.where(s_ok, s, float("-inf"))
-    return _softmax_step(s, v, m_i, l_i, acc, qk_scale, FMA, LAZY)
 
 
 @triton.jit
@@ -127,90 +105,18 @@ def _store(O, LSE, acc, m_i, l_i, q_start, tok, head, row_ok, stride_ot, stride_
 
 
 @triton.jit
-def _item_meta(item, n_slots, SLOT_INFO, G: tl.constexpr, GP: tl.constexpr, TOK: tl.constexpr,
-               BS: tl.constexpr):
-    """``_item`` from ``Layout.slot_info``: four independent loads of one row (one round trip
-    instead of two dependent ones). Token indices are relative to the slot's first query, so
-    ``q_start``/``q_len``/``off`` below are the slot's first row / queries left / first position."""
-    SPLIT: tl.constexpr = BS // TOK
-    n0 = n_slots * SPLIT
-    pid0 = item % n0
-    pid1 = item // n0
-    slot = n_slots - 1 - pid0 // SPLIT
-    sub = pid0 % SPLIT
-    kvh = pid1 // (G // GP)
-    h0 = kvh * G + (pid1 % (G // GP)) * GP
-    row = SLOT_INFO + slot * 4
-    q_start = tl.load(row)
-    q_len = tl.load(row + 1)
-    k_start = tl.load(row + 2)
-    off = tl.load(row + 3)
-    tok0 = sub * TOK
-    live = tok0 < q_len  # unused slots have q_len == 0
-    diag_lo = off // BS  # off >= 0
-    q_last = tl.where(live, off + tl.minimum(tok0 + TOK, q_len) - 1, diag_lo * BS - 1)
-    return slot, kvh, h0, q_start, q_len, k_start, tok0, off, diag_lo, q_last, live
-
-
-@triton.jit
-def _prefetch_q(item, n_slots, SLOT_INFO, Q, stride_qt, stride_qh, G: tl.constexpr, GP: tl.constexpr,
-                TOK: tl.constexpr, BS: tl.constexpr, D: tl.constexpr):
-    """L2 prefetch of the query tile of a later item (``prefetch.global.L2``, one 128-byte line per
-    thread): the query tile is the one operand no other program has pulled into L2 before."""
-    _, _, h0, q_start, q_len, _, tok0, _, _, _, live = _item_meta(item, n_slots, SLOT_INFO, G, GP, TOK, BS)
-    ELEM: tl.constexpr = Q.dtype.element_ty.primitive_bitwidth // 8
-    LPH: tl.constexpr = (D * ELEM + 127) // 128  # 128-byte lines per head row
-    t = tok0 + tl.arange(0, TOK)[:, None]
-    line = tl.arange(0, GP * LPH)[None, :]
-    t = tl.where(live, tl.minimum(t, q_len - 1), 0)  # stay inside the tensor
-    ptr = Q + (q_start + t).to(tl.int64) * stride_qt + (h0 + line // LPH) * stride_qh + (line % LPH) * (128 // ELEM)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptr], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K, SLOT_SEQ, SLOT_QBLK, SLOT_INFO, IDX, CNT, K_DESC, V_DESC,
-              n_slots, n_items, qk_scale,
+def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K, SLOT_SEQ, SLOT_QBLK, IDX, CNT, K_DESC, V_DESC, n_slots, qk_scale,
               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
               stride_lt, stride_is, stride_ih, stride_cs,
               G: tl.constexpr, GP: tl.constexpr, TOK: tl.constexpr, BS: tl.constexpr,
               BN: tl.constexpr, D: tl.constexpr, DENSE: tl.constexpr, MERGED: tl.constexpr,
-              FMA: tl.constexpr, KVLOAD: tl.constexpr, WS: tl.constexpr, RCP: tl.constexpr,
-              META: tl.constexpr, DIAG: tl.constexpr, PREF: tl.constexpr, LAZY: tl.constexpr):
-    SPLIT: tl.constexpr = BS // TOK
-    item = tl.program_id(0) + tl.program_id(1) * (n_slots * SPLIT)
-    _attn_item(item, Q, K, V, O, LSE, CU_Q, CU_K, SLOT_SEQ, SLOT_QBLK, SLOT_INFO, IDX, CNT, K_DESC,
-               V_DESC, n_slots, qk_scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-               stride_vh, stride_ot, stride_oh, stride_lt, stride_is, stride_ih, stride_cs,
-               G, GP, TOK, BS, BN, D, DENSE, MERGED, FMA, KVLOAD, WS, RCP, META, DIAG, PREF, n_items, LAZY)
-
-
-@triton.jit
-def _attn_item(item, Q, K, V, O, LSE, CU_Q, CU_K, SLOT_SEQ, SLOT_QBLK, SLOT_INFO, IDX, CNT, K_DESC, V_DESC,
-               n_slots, qk_scale,
-               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-               stride_lt, stride_is, stride_ih, stride_cs,
-               G: tl.constexpr, GP: tl.constexpr, TOK: tl.constexpr, BS: tl.constexpr,
-               BN: tl.constexpr, D: tl.constexpr, DENSE: tl.constexpr, MERGED: tl.constexpr,
-               FMA: tl.constexpr, KVLOAD: tl.constexpr, WS: tl.constexpr, RCP: tl.constexpr,
-               META: tl.constexpr, DIAG: tl.constexpr, PREF: tl.constexpr, n_items, LAZY: tl.constexpr):
+              FMA: tl.constexpr, KVLOAD: tl.constexpr, WS: tl.constexpr, RCP: tl.constexpr):
     NSUB: tl.constexpr = BS // BN
     M: tl.constexpr = TOK * GP
-    if META:
-        slot, kvh, h0, q_start, q_len, k_start, tok0, off, diag_lo, q_last, live = _item_meta(
-            item, n_slots, SLOT_INFO, G, GP, TOK, BS)
-    else:
-        slot, kvh, h0, q_start, q_len, k_start, tok0, off, diag_lo, q_last, live = _item(
-            item, n_slots, SLOT_SEQ, SLOT_QBLK, CU_Q, CU_K, G, GP, TOK, BS)
-    idx_row = IDX + slot.to(tl.int64) * stride_is + kvh * stride_ih
-    if DENSE:
-        n_off = diag_lo * NSUB
-    else:
-        n_off = tl.load(CNT + slot * stride_cs + kvh) * NSUB
-        if META:  # the first index too, in the same round trip: the loop prologue's own load of it,
-            # which the first TMA waits for, then hits L1 (its value never < 0; the use keeps the load)
-            n_off = tl.where(tl.load(idx_row) >= 0, n_off, 0)
-    n_off = tl.where(live, n_off, 0)
+    SPLIT: tl.constexpr = BS // TOK
+    item = tl.program_id(0) + tl.program_id(1) * (n_slots * SPLIT)
+    slot, kvh, h0, q_start, q_len, k_start, tok0, off, diag_lo, q_last, live = _item(
+        item, n_slots, SLOT_SEQ, SLOT_QBLK, CU_Q, CU_K, G, GP, TOK, BS)
     rows = tl.arange(0, M)
     tok = tok0 + rows // GP
     head = h0 + rows % GP
@@ -219,35 +125,20 @@ def _attn_item(item, Q, K, V, O, LSE, CU_Q, CU_K, SLOT_SEQ, SLOT_QBLK, SLOT_INFO
     cols = tl.arange(0, BN)
     q = tl.load(Q + (q_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + dd[None, :],
                 mask=row_ok[:, None], other=0.0)
-    if PREF > 0:  # the item PREF programs later (about one program's lifetime ahead at PREF = #CTAs)
-        if item + PREF < n_items:
-            _prefetch_q(item + PREF, n_slots, SLOT_INFO, Q, stride_qt, stride_qh, G, GP, TOK, BS, D)
     q_pos = off + tok
     kbase = K + k_start.to(tl.int64) * stride_kt + kvh * stride_kh
     vbase = V + k_start.to(tl.int64) * stride_vt + kvh * stride_vh
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, D], tl.float32)
-    if DIAG:  # one TMA loop: the diagonal region's tiles first, then the listed tiles; only tiles
-        # reaching past the item's first query are masked (a uniform branch). TMA rows past the tensor
-        # read as zeros; rows past q_last (later keys, or the next sequence's) are masked.
-        n_diag = tl.where(live, (q_last - diag_lo * BS) // BN + 1, 0)
-        q_first = off + tok0
-        for it in tl.range(0, n_off + n_diag):
-            j = tl.maximum(it - n_diag, 0)
-            if DENSE:
-                kb = j // NSUB
-            else:
-                kb = tl.load(idx_row + j // NSUB)  # in bounds even when unused (j clamped)
-            row0 = tl.where(it < n_diag, diag_lo * BS + it * BN, kb * BS + (j % NSUB) * BN)
-            k = K_DESC.load([k_start + row0, kvh * D])
-            v = V_DESC.load([k_start + row0, kvh * D])
-            s = tl.dot(q, tl.trans(k))
-            if row0 + BN - 1 > q_first:
-                s = tl.where((row0 + cols)[None, :] <= q_pos[:, None], s, float("-inf"))
-            m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, qk_scale, FMA, LAZY)
-    elif MERGED:
-        n_diag = (q_last - diag_lo * BS) // BN + 1  # 0 for idle items
+    if DENSE:
+        n_off = diag_lo * NSUB
+    else:
+        n_off = tl.load(CNT + slot * stride_cs + kvh) * NSUB
+    n_off = tl.where(live, n_off, 0)
+    idx_row = IDX + slot.to(tl.int64) * stride_is + kvh * stride_ih
+    n_diag = (q_last - diag_lo * BS) // BN + 1  # 0 for idle items
+    if MERGED:
         for it in range(0, n_off + n_diag):
             is_diag = it >= n_off
             if DENSE:
@@ -280,14 +171,13 @@ def _attn_item(item, Q, K, V, O, LSE, CU_Q, CU_K, SLOT_SEQ, SLOT_QBLK, SLOT_INFO
                 kt = (row0 + cols).to(tl.int64)
                 k = tl.load(kbase + kt[:, None] * stride_kt + dd[None, :])
                 v = tl.load(vbase + kt[:, None] * stride_vt + dd[None, :])
-            m_i, l_i, acc = _update(q, k, v, None, m_i, l_i, acc, qk_scale, False, FMA, LAZY)
+            m_i, l_i, acc = _update(q, k, v, None, m_i, l_i, acc, qk_scale, False, FMA)
         for n0 in range(diag_lo * BS, q_last + 1, BN):
             kt = n0 + cols
             kmask = kt <= q_last
             k = tl.load(kbase + kt.to(tl.int64)[:, None] * stride_kt + dd[None, :], mask=kmask[:, None], other=0.0)
             v = tl.load(vbase + kt.to(tl.int64)[:, None] * stride_vt + dd[None, :], mask=kmask[:, None], other=0.0)
-            m_i, l_i, acc = _update(q, k, v, kt[None, :] <= q_pos[:, None], m_i, l_i, acc, qk_scale, True, FMA,
-                                   LAZY)
+            m_i, l_i, acc = _update(q, k, v, kt[None, :] <= q_pos[:, None], m_i, l_i, acc, qk_scale, True, FMA)
     _store(O, LSE, acc, m_i, l_i, q_start, tok, head, row_ok, stride_ot, stride_oh, stride_lt, D, RCP)
 
 
@@ -411,8 +301,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, idx: to
               num_warps: int | None = None, num_stages: int | None = None, mode: str | None = None,
               maxnreg: int | None = None, ctas_per_sm: int | None = None, nprog: int | None = None,
               fma: bool | None = None, kvload: int | None = None, ws: bool | None = None,
-              rcp: bool | None = None, meta: bool | None = None, diag: bool | None = None,
-              pref: int | None = None, lazy: float | None = None, sched_cache: dict | None = None, sched=None,
+              rcp: bool | None = None, sched_cache: dict | None = None, sched=None,
               out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
     """Launch the kernel. ``idx`` int32 [n_slots, Hkv, cap] / ``cnt`` int32 [n_slots, Hkv] come from
     ``estimate.select_blocks`` or ``api.mask_to_indices``; ``dense=True`` ignores them and visits
@@ -435,10 +324,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, idx: to
     kvload = int(dflt.get("kvload", 0) if kvload is None else kvload)
     ws = bool(dflt.get("ws", 0) if ws is None else ws)
     rcp = bool(dflt.get("rcp", 0) if rcp is None else rcp)
-    meta = bool(dflt.get("meta", 0) if meta is None else meta) and layout.slot_info is not None
-    diag = bool(dflt.get("diag", 0) if diag is None else diag)
-    pref = int(dflt.get("pref", 0) if pref is None else pref) if meta and q.is_cuda else 0
-    lazy = float(dflt.get("lazy", 0.0) if lazy is None else lazy) if fma else 0.0
     dgp, dtok = default_tiling(g, bs)
     if gp is None and dflt.get("gp") and g % dflt["gp"] == 0 and bs % dflt.get("tok", bs) == 0:
         gp, tok = dflt["gp"], tok or dflt.get("tok")
@@ -490,15 +375,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, idx: to
                           for x in (k, v))
             else:
                 kvload = 1
-        if kvload != 2 or mode == "merged":
-            diag = False  # the diagonal tiles in the TMA loop need K/V descriptors
-        n_items = layout.n_slots * (bs // tok) * hkv * (g // gp)
         grid = (layout.n_slots * (bs // tok), hkv * (g // gp))
-        info = layout.slot_info if meta else layout.cu_q  # (unused when meta is off)
         last_compiled = _attn_fwd[grid](
-            q, k, v, out, lse, layout.cu_q, layout.cu_k, layout.slot_seq, layout.slot_qblk, info, idx, cnt2,
-            kd, vd, layout.n_slots, n_items, scale * LOG2E, *strides,
+            q, k, v, out, lse, layout.cu_q, layout.cu_k, layout.slot_seq, layout.slot_qblk, idx, cnt2,
+            kd, vd, layout.n_slots, scale * LOG2E, *strides,
             G=g, GP=gp, TOK=tok, BS=bs, BN=bn, D=d, DENSE=dense, MERGED=(mode == "merged"),
-            FMA=fma, KVLOAD=kvload, WS=ws, RCP=rcp, META=meta, DIAG=diag, PREF=pref,
-            LAZY=lazy, **kw)
+            FMA=fma, KVLOAD=kvload, WS=ws, RCP=rcp, **kw)
     return out, lse

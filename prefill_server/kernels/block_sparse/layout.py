@@ -43,10 +43,6 @@ class Layout:
     kslot_kblk: torch.Tensor  # int32 [n_kslots]
     kb_start: torch.Tensor  # int32 [B], first kslot of each sequence
     max_kblocks: int  # static bound on key blocks of one sequence (capacity of an index row)
-    # int32 [n_slots, 4] per slot: (first query row in the packed batch, queries left in the sequence
-    # from the slot's first query, first key row of the sequence, key position of the slot's first
-    # query); all 0 for unused slots. One row = one memory round trip for the kernel's item decode.
-    slot_info: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -82,21 +78,7 @@ def build_layout(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q
     slot_seq, slot_qblk, _ = _slot_map(cu_seqlens_q, bs, n_slots)
     kslot_seq, kslot_kblk, kb_start = _slot_map(cu_seqlens_k, bs, n_kslots)
     return Layout(bs, b, total_q, total_k, cu_seqlens_q, cu_seqlens_k, n_slots, slot_seq, slot_qblk,
-                  n_kslots, kslot_seq, kslot_kblk, kb_start, max(cdiv(total_k, bs), 1),
-                  _slot_info(cu_seqlens_q, cu_seqlens_k, slot_seq, slot_qblk, bs))
-
-
-def _slot_info(cu_q: torch.Tensor, cu_k: torch.Tensor, slot_seq: torch.Tensor, slot_qblk: torch.Tensor,
-               bs: int) -> torch.Tensor:
-    """``Layout.slot_info`` (device ops only)."""
-    cq = torch.cat([cu_q, cu_q[-1:]]).long()  # one extra entry: B == 0 still indexes in bounds
-    ck = torch.cat([cu_k, cu_k[-1:]]).long()
-    seq = slot_seq.clamp(min=0).long()
-    q0, k0 = cq[seq], ck[seq]
-    q_len, k_len = cq[seq + 1] - q0, ck[seq + 1] - k0
-    a = slot_qblk.long() * bs
-    info = torch.stack([q0 + a, q_len - a, k0, k_len - q_len + a], 1)
-    return torch.where((slot_seq >= 0)[:, None], info, 0).to(torch.int32).contiguous()
+                  n_kslots, kslot_seq, kslot_kblk, kb_start, max(cdiv(total_k, bs), 1))
 
 
 def slot_geometry(layout: Layout):
