@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -16,7 +17,8 @@ import pytest
 import torch
 
 from gateway import GatewayThread
-from prompts import all_prompts
+from kv_transfer.base import TransferState
+from prompts import all_prompts, by_name
 from test_pipeline import BF16_DECODE_ARGS, ask, bf16_engine_options, check_bf16, report_dir
 from prefill_server.config import EngineConfig, ServerConfig
 from prefill_server.connector_config import vllm_connector_config
@@ -189,7 +191,6 @@ def test_prefill_killed_mid_transfer_fails_the_decode_request_cleanly(connector_
                 time.sleep(0.02)
             os.killpg(proc.pid, signal.SIGKILL)
 
-        import threading
         threading.Thread(target=killer, daemon=True).start()
         with pytest.raises(httpx.HTTPError):
             httpx.post(f"http://127.0.0.1:{port}/v1/completions",
@@ -242,3 +243,67 @@ def test_bf16_connector_mode(decode_model_dir, tmp_path_factory, secret_file):
         finally:
             gw.stop()
             torch.set_num_threads(threads)
+
+
+def test_decode_killed_mid_transfer_frees_the_prefill_and_it_keeps_serving(decode_model_dir, secret_file,
+                                                                          tmp_path_factory):
+    """A real decode's whole process group is SIGKILLed while a 3K-token prompt's layers are being
+    written into it (the prefill's forward is held after queuing layer 4, so the kill lands
+    mid-transfer however slow the machine): the client gets a 5xx naming the decode, the prefill's
+    blocks are all back within the lease time, and the prefill keeps serving (a fresh decode on
+    the same address answers exactly like vLLM alone)."""
+    from conftest import skip_or_fail
+    from prefill_server.local_vllm import vllm_python
+
+    if vllm_python() is None:
+        skip_or_fail("no vLLM decode venv at .venv-vllm: run scripts/setup.sh")
+    log_dir = tmp_path_factory.mktemp("vllm-connector-killed")
+    decode = connector_vllm(decode_model_dir, log_dir / "killed-decode.log", secret_file, "float32")
+    with decode:
+        decode.completion("Warm up.", max_tokens=2)
+        gw = connector_gateway(decode, secret_file, "float32")
+        engine, producer = gw.service.engine, gw.service.engine.producer
+        held, go, rids = threading.Event(), threading.Event(), []
+        layer_done = producer.layer_done
+
+        def holding(request_id, layer, src_pages, ready_event=None):
+            layer_done(request_id, layer, src_pages, ready_event)
+            if layer == 4 and not held.is_set():
+                rids.append(request_id)
+                held.set()
+                assert go.wait(600), "the test never let the forward go on"
+
+        producer.layer_done = holding
+        try:
+            prompt = by_name("plain-GPL-3-3000").text
+            answer: list[httpx.Response] = []
+            client = threading.Thread(target=lambda: answer.append(httpx.post(
+                gw.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 4}, timeout=600)))
+            client.start()
+            assert held.wait(600), "the decode never registered, or the forward never reached layer 4"
+            assert engine.pool.num_used > 0 and producer.num_active == 1
+            os.killpg(decode.proc.pid, signal.SIGKILL)  # API server, engine core, worker
+            decode.proc.wait()
+            t_kill = time.monotonic()
+            go.set()
+            client.join(600)
+            r = answer[0]
+            assert r.status_code >= 500 and decode.url in r.text, r.text
+            lease_s = producer.pull.lease_ttl_s
+            assert gw.wait_pool_empty(lease_s) == 0 and producer.num_active == 0, producer.state(rids[0])
+            assert time.monotonic() - t_kill <= lease_s
+            assert producer.state(rids[0]) in (TransferState.ABORTED, TransferState.FAILED)
+            assert httpx.get(gw.url + "/health", timeout=10).status_code == 200
+            # a fresh decode on the same address: the same prefill server streams into it
+            fresh = connector_vllm(decode_model_dir, log_dir / "fresh-decode.log", secret_file, "float32")
+            fresh.port = decode.port
+            with fresh:
+                p = by_name("plain-LGPL-2.1-150")
+                alone = [t for t, _ in ask(fresh.url, p, fresh.served_model_name())]
+                assert [t for t, _ in ask(gw.url, p)] == alone
+                assert gw.wait_pool_empty() == 0 and producer.num_active == 0
+                assert wait_decode_idle(fresh) == 0.0
+        finally:
+            go.set()
+            producer.layer_done = layer_done
+            gw.stop()
