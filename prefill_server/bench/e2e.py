@@ -750,7 +750,7 @@ def run(args) -> dict:
                 finally:
                     tp_engine.runner.sparse = None
                 rs.update(kernel_density=sp.mask_density.get(l), mode=sp.label,
-                          dense_first_layers=sp.config.dense_first_layers)
+                          dense_first_layers=sp.config.first_dense_layers(l))
                 sp.take_densities()
                 if floor:
                     rs["of_linear_floor"] = lin_ms / 1e3 / rs["wall_s"]

@@ -3,8 +3,9 @@ streamed over NIXL into a receiver in another process (Llama-3.1-8B shape, rando
 
 What runs: the real engine (``Engine.submit_push`` -> scheduler -> ``ModelRunner`` -> staging slots
 -> ``PushProducer`` WRITE per layer) with the sparse adapter (``layers.sparse``: dense below
-``dense_len_threshold`` and for the first layer(s), estimator + block-sparse kernel otherwise). The
-receiver (``bench/stream_receiver.py``) is a ``PushReceiver`` in a subprocess with its own caches.
+``dense_len_threshold`` and for the first layer(s) up to ``dense_first_layers_max_len`` tokens,
+estimator + block-sparse kernel otherwise). The receiver (``bench/stream_receiver.py``) is a
+``PushReceiver`` in a subprocess with its own caches.
 
 Density, honestly. On random weights the estimator keeps nearly every block (pooled random vectors
 score alike), so default settings give density ~1 here, far from what it keeps on a trained
@@ -222,8 +223,10 @@ def parse_args(argv):
                     help="lengths also run with the estimator's own selection (default settings)")
     ap.add_argument("--estimator-variant", default="nixl", help="transfer variant of those runs")
     ap.add_argument("--long", default="1048576", help="lengths run streamed only (the KV cannot be resident)")
-    ap.add_argument("--long-runs", default="nixl:0,nixl:1",
-                    help="variant:dense_first_layers for each --long run, in order")
+    ap.add_argument("--long-runs", default="nixl:1",
+                    help="variant:dense_first_layers for each --long run, in order (those layers run dense "
+                         "only up to dense_first_layers_max_len keys: add it to --sparse for a dense first "
+                         "layer at longer lengths)")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--receiver-device", default="", help="receiver caches on (default: --device)")
     ap.add_argument("--ring-tokens", type=int, default=131072,
@@ -363,7 +366,7 @@ def run(args) -> dict:
             reaper.enabled = variant == "nixl-reap"
         rid = f"{tag}-{variant}-{n}-{seed}"
         r = timed_request(engines, variant, n, rid, _ids(cfg, n, seed), device, receiver)
-        r.update(mode=sparse.label, tag=tag, dense_first_layers=sparse.config.dense_first_layers,
+        r.update(mode=sparse.label, tag=tag, dense_first_layers=sparse.config.first_dense_layers(n),
                  estimator_density=sparse.take_densities(), note=note)
         if sparse.density is not None:
             r["kernel_density"] = sparse.mask_density.get(n)
@@ -443,7 +446,8 @@ def run(args) -> dict:
             scale = n / max(args.lengths or [n])
             # (the 128K time scaled, the dense first layer ~0.25 s x scale^2, and when posting on the
             # forward's thread ~45 ms of host time per 128K tokens per layer while the GPU idles)
-            predicted = base * scale * 1.3 + dfl * 0.25 * scale ** 2 + (1.5 * scale if variant == "nixl-sync" else 0)
+            predicted = (base * scale * 1.3 + sp.config.first_dense_layers(n) * 0.25 * scale ** 2
+                         + (1.5 * scale if variant == "nixl-sync" else 0))
             if not fits(f"{variant}-{n}-dfl{dfl}", predicted):
                 continue
 

@@ -3,7 +3,8 @@
 ``PagedAttention`` asks ``wants(layer, k_len)`` per sequence and layer; when true, ``attend`` plans
 (estimates the blocks that matter, on the device, no host sync) and runs the block-sparse kernel.
 Short sequences and the first layers stay dense (``SparseConfig.dense_len_threshold`` /
-``dense_first_layers``), through the same dense dispatch as the dense mode.
+``dense_first_layers``; the first layers only up to ``dense_first_layers_max_len`` keys, longer
+prompts run them sparse too), through the same dense dispatch as the dense mode.
 """
 from __future__ import annotations
 
@@ -17,8 +18,7 @@ class SparseAttention:
         self.config = config or SparseConfig()
 
     def wants(self, layer: int, k_len: int) -> bool:
-        c = self.config
-        return layer >= c.dense_first_layers and k_len >= c.dense_len_threshold
+        return not self.config.dense_for(layer, k_len)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q [Tq, Hq, D], k/v [Tk, Hkv, D] of one sequence (queries = its last Tq positions) -> [Tq, Hq, D]."""

@@ -47,3 +47,8 @@ def test_sparse_keeping_every_block_equals_dense_also_chunked(loaded):
 def test_dispatch_thresholds():
     s = SparseAttention(SparseConfig(dense_len_threshold=8192, dense_first_layers=1))
     assert not s.wants(0, 100_000) and not s.wants(5, 8191) and s.wants(5, 8192)
+    # the first layers run dense only up to dense_first_layers_max_len keys; longer: sparse too
+    s = SparseAttention(SparseConfig(dense_len_threshold=8192, dense_first_layers=2, dense_first_layers_max_len=65536))
+    assert not s.wants(1, 65536) and s.wants(2, 65536) and s.wants(0, 65537) and s.wants(1, 65537)
+    d = SparseAttention()  # defaults: layer 0 dense at 128K, sparse at 1M
+    assert not d.wants(0, 131072) and d.wants(1, 131072) and d.wants(0, 1 << 20)

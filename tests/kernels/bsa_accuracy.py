@@ -71,10 +71,12 @@ class Dense:
 
 
 class Sparse:
-    """``plan`` + ``run`` per layer (torch backend); records each layer's density."""
+    """``plan`` + ``run`` per layer (torch backend); records each layer's density. ``layer0``:
+    SparseConfig overrides for layer 0 only (e.g. a forced budget for a sparse first layer)."""
 
-    def __init__(self, cfg: SparseConfig):
+    def __init__(self, cfg: SparseConfig, layer0: dict | None = None):
         self.cfg = dataclasses.replace(cfg, backend="torch")
+        self.cfg0 = dataclasses.replace(self.cfg, **layer0) if layer0 else self.cfg
         self.density: dict[int, float] = {}
         self._layout = None
 
@@ -83,12 +85,13 @@ class Sparse:
         cu = torch.tensor([0, n], dtype=torch.int32)
         if self._layout is None or self._layout.total_q != n:
             self._layout = build_layout(cu, cu, n, n, self.cfg.block_size)
-        p = plan(q, k, cu, cu, self.cfg, layer=layer, layout=self._layout)
+        p = plan(q, k, cu, cu, self.cfg0 if layer == 0 else self.cfg, layer=layer, layout=self._layout)
         self.density[layer] = p.density()
         return p.run(q, k, v)[0]
 
     def mean_density(self, skip_dense_layers: bool = True) -> float:
-        vals = [d for l, d in self.density.items() if not (skip_dense_layers and l < self.cfg.dense_first_layers)]
+        first = self.cfg.first_dense_layers(self._layout.total_k if self._layout else None)
+        vals = [d for l, d in self.density.items() if not (skip_dense_layers and l < first)]
         return sum(vals) / max(len(vals), 1)
 
 
@@ -98,13 +101,17 @@ def forward(model, ids: list[int], attn, last: int) -> torch.Tensor:
     return model(x, torch.arange(len(ids)), attn, logits_indices=idx)  # [last, vocab]
 
 
-def agreement(model, ids, cfg: SparseConfig, last: int = 256, dense_logits=None):
-    """(top-1 agreement over the last ``last`` positions, mean sparse-layer density, dense logits)."""
+def agreement(model, ids, cfg: SparseConfig, last: int = 256, dense_logits=None, layer0: dict | None = None,
+              per_layer: dict | None = None):
+    """(top-1 agreement over the last ``last`` positions, mean sparse-layer density, dense logits).
+    ``layer0``: see ``Sparse``; ``per_layer``: filled with each layer's density."""
     if dense_logits is None:
         dense_logits = forward(model, ids, Dense(), last)
-    sp = Sparse(cfg)
+    sp = Sparse(cfg, layer0)
     sparse_logits = forward(model, ids, sp, last)
     agree = (sparse_logits.argmax(-1) == dense_logits.argmax(-1)).float().mean().item()
+    if per_layer is not None:
+        per_layer.update(sp.density)
     return agree, sp.mean_density(), dense_logits
 
 
@@ -175,7 +182,7 @@ def sweep(model, tok, n: int = 4096, configs=None, text: str = "gpl3"):
     for c in configs:
         dens, miss = [], []
         for l, (q, k, v) in rec.qkv.items():
-            if l < c.dense_first_layers:
+            if l < c.first_dense_layers(n):
                 continue
             sel = ref.estimate(q, k, lay, c)
             dens.append(ref.density(sel, lay))
@@ -206,18 +213,24 @@ def main(argv):
         if len(argv) > 1:  # sweep '[{config}, ...]'
             configs = [dataclasses.replace(base, **c) for c in json.loads(argv[1])]
         sweep(model, tok, configs=configs)
-    elif argv and argv[0] == "eval":  # eval TEXT N '{config...}' '{config...}' ...
+    elif argv and argv[0] == "eval":  # eval TEXT N '{config..., "layer0": {overrides}}' ...
         name, n = argv[1], int(argv[2])
         ids = text_ids(tok, name, n)
         t0 = time.time()
         dense_logits = forward(model, ids, Dense(), 256)
         print("dense", round(time.time() - t0), "s", flush=True)
         for js in argv[3:]:
-            cfg = SparseConfig(**json.loads(js))
+            kw = json.loads(js)
+            layer0 = kw.pop("layer0", None)
+            cfg = SparseConfig(**kw)
             t0 = time.time()
-            a, d, _ = agreement(model, ids, cfg, dense_logits=dense_logits)
+            per = {}
+            a, d, _ = agreement(model, ids, cfg, dense_logits=dense_logits, layer0=layer0, per_layer=per)
+            rest = [v for l, v in per.items() if l > 0]
             print(json.dumps({"text": name, "tokens": n, "config": json.loads(js), "top1": a,
-                              "density": d, "s": round(time.time() - t0)}), flush=True)
+                              "density": d, "density_layer0": per.get(0),
+                              "density_layers_1_up": sum(rest) / max(len(rest), 1),
+                              "s": round(time.time() - t0)}), flush=True)
     elif argv and argv[0] == "needle":  # needle N DEPTH,DEPTH '{config}'
         n = int(argv[1])
         hay = text_ids(tok, "gfdl_lgpl", 8192 + 512)

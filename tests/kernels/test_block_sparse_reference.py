@@ -1,5 +1,6 @@
 """Plain-torch parts of block-sparse attention: layout, mask <-> indices, reference attention and
 reference estimator, config validation, the CPU plan/run path. No Triton needed."""
+import dataclasses
 import math
 
 import pytest
@@ -168,6 +169,36 @@ def test_plan_run_torch_backend():
     assert rel_l2(o3, ref.dense_attention(q, k, v, p_short.layout)[0]) < 1e-6
     pm = plan_from_mask(p.block_mask, p.layout, cfg)
     assert torch.equal(pm.idx, p.idx) and torch.equal(pm.cnt, p.cnt)
+
+
+def test_first_layers_dense_only_up_to_max_len():
+    c = SparseConfig(dense_len_threshold=100, dense_first_layers=2, dense_first_layers_max_len=1000)
+    assert [c.first_dense_layers(n) for n in (100, 1000, 1001, None)] == [2, 2, 0, 2]
+    assert c.dense_for(1, 1000) and not c.dense_for(2, 1000)  # up to the length: the first 2 layers
+    assert not c.dense_for(0, 1001) and not c.dense_for(1, 1001)  # longer: every layer sparse
+    assert c.dense_for(0, 99) and c.dense_for(5, 99) and c.dense_for(None, 99)  # short: all dense
+    assert c.dense_for(1, None) and not c.dense_for(2, None) and not c.dense_for(None, 1001)
+    d = SparseConfig()  # defaults: a dense layer 0 up to 256K keys (128K bar), sparse at 1M (1M bar)
+    assert d.first_dense_layers(131072) == d.first_dense_layers(262144) == 1
+    assert d.first_dense_layers(262145) == d.first_dense_layers(1 << 20) == 0
+    with pytest.raises(ValueError, match="dense_first_layers_max_len"):
+        SparseConfig(dense_first_layers_max_len=-1)
+
+
+def test_plan_first_layer_sparse_above_max_len():
+    bs = 16
+    q, k, v, cu_q, cu_k = batch([100], [180], 4, 2, 16, bs, structured_data=True)
+    cfg = SparseConfig(block_size=bs, q_pool=4, threshold=0.2, dense_len_threshold=64, backend="torch",
+                       dense_first_layers_max_len=180)
+    assert plan(q, k, cu_q, cu_k, cfg, layer=0).dense  # 180 keys <= 180: layer 0 dense as before
+    cfg = dataclasses.replace(cfg, dense_first_layers_max_len=179)
+    p0, p1 = (plan(q, k, cu_q, cu_k, cfg, layer=i) for i in (0, 1))
+    assert not p0.dense and torch.equal(p0.block_mask, p1.block_mask)  # the same selection as layer 1
+    o, _ = p0.run(q, k, v)
+    assert rel_l2(o, brute_force(q, k, v, cu_q, cu_k, p0.block_mask, bs)[0]) < 1e-5
+    # a packed batch of several sequences keeps the first layers dense (longest one unknown on the host)
+    q, k, v, cu_q, cu_k = batch([100, 30], [180, 30], 4, 2, 16, bs, structured_data=True)
+    assert plan(q, k, cu_q, cu_k, cfg, layer=0).dense and not plan(q, k, cu_q, cu_k, cfg, layer=1).dense
 
 
 def test_plan_rejects_bad_shapes():

@@ -44,7 +44,13 @@ class SparseConfig:
     #                                  0.0005 -> 99.2-100%, all 4, mean density 0.64 -> 0.68)
     dense_len_threshold: int = 8192  # sequences with fewer keys run dense (H200, 8B shape: at 8K
     #                                  estimator + kernel is only 1.2x faster than cuDNN; 16K: 3.7x)
-    dense_first_layers: int = 1  # layers [0, n) are computed dense
+    dense_first_layers: int = 1  # layers [0, n) are computed dense, on sequences of at most
+    #                              dense_first_layers_max_len keys
+    dense_first_layers_max_len: int = 262144  # longer sequences run the first layers sparse too (H200,
+    #   8B shape: a dense layer 0 is 0.25 s at 128K but ~15.7 s at 1M, where the bar is 45 s and every
+    #   layer sparse at 2% gave 36.5-37.3 s; SmolLM2 at 8K: the estimator keeps all of layer 0, and
+    #   layer 0 forced to 25-40% density keeps top-1 at 97.7-100%: docs/kernels-notes.md, "A sparse
+    #   first layer on long prompts")
     backend: str = "auto"  # "auto" | "triton" | "torch"
 
     def __post_init__(self):
@@ -59,11 +65,26 @@ class SparseConfig:
                                                               self.probe_queries & (self.probe_queries - 1))):
             raise ValueError(f"probe_queries must be 0 or a power of two >= 16, got {self.probe_queries}")
         for name in ("sink_blocks", "local_blocks", "last_q_blocks", "dense_len_threshold",
-                     "dense_first_layers"):
+                     "dense_first_layers", "dense_first_layers_max_len"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.backend not in ("auto", "triton", "torch"):
             raise ValueError(f"backend must be auto, triton or torch, got {self.backend!r}")
+
+    def first_dense_layers(self, k_len: int | None) -> int:
+        """How many first layers run dense on a sequence of ``k_len`` keys: ``dense_first_layers`` up to
+        ``dense_first_layers_max_len`` keys, none above. ``k_len`` None (length not known on the host,
+        e.g. a packed batch of several sequences): ``dense_first_layers``."""
+        if k_len is None or k_len <= self.dense_first_layers_max_len:
+            return self.dense_first_layers
+        return 0
+
+    def dense_for(self, layer: int | None, k_len: int | None) -> bool:
+        """Whether ``layer``'s attention over a sequence of ``k_len`` keys runs dense: fewer keys than
+        ``dense_len_threshold``, or one of ``first_dense_layers(k_len)``. ``layer`` None: no layer rule."""
+        if k_len is not None and k_len < self.dense_len_threshold:
+            return True
+        return layer is not None and layer < self.first_dense_layers(k_len)
 
 
 def _backend(cfg: SparseConfig, device: torch.device) -> str:
@@ -169,15 +190,18 @@ def plan(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlen
          scale: float | None = None) -> Plan:
     """Estimate the blocks to compute and build per-(query block, KV head) indices on q's device.
 
-    ``layer``: index of the layer (dense for ``layer < config.dense_first_layers``); ``layout``: reuse
-    the batch's ``build_layout(...)`` across layers; ``scale`` defaults to 1/sqrt(head_dim)."""
+    ``layer``: index of the layer (dense for ``layer < config.dense_first_layers`` up to
+    ``config.dense_first_layers_max_len`` keys, see ``SparseConfig.dense_for``; a packed batch of
+    several sequences keeps those layers dense, its longest sequence being unknown on the host);
+    ``layout``: reuse the batch's ``build_layout(...)`` across layers; ``scale`` defaults to
+    1/sqrt(head_dim)."""
     cfg = config or SparseConfig()
     _check(q, k)
     if layout is None:
         layout = build_layout(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], cfg.block_size)
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
     backend = _backend(cfg, q.device)
-    dense = (layer is not None and layer < cfg.dense_first_layers) or k.shape[0] < cfg.dense_len_threshold
+    dense = k.shape[0] < cfg.dense_len_threshold or cfg.dense_for(layer, k.shape[0] if layout.batch == 1 else None)
     p = Plan(layout, cfg, backend, k.shape[1], scale, dense=dense)
     if dense:
         return p
