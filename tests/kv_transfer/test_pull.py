@@ -18,7 +18,7 @@ from kv_transfer.receiver import PushReceiver
 from prefill_server.engine.types import PrefillRequest
 from prefill_server.errors import TransferError
 from decode_side import ask
-from test_push import BS, SECRET, Setup, geometry, received, reference_kv
+from test_push import BS, SECRET, Setup, assert_received_equals, geometry, reference_kv
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +66,7 @@ def test_pulled_kv_equals_a_plain_forward_and_the_read_frees_it(loaded):
         assert s.wait("p1") == "done"
         ref_logits, attn = reference_kv(loaded, ids)
         assert res.first_token_id == int(torch.argmax(ref_logits))
-        for layer in range(loaded.config.num_layers):
-            k, v = received(s.caches, layer, blocks, len(ids))
-            torch.testing.assert_close(k, attn.keys[layer], rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(v, attn.values[layer], rtol=1e-4, atol=1e-4)
+        assert_received_equals(s.caches, blocks, attn, len(ids))
         assert s.wait_pool_empty() == 0 and s.producer.num_active == 0
         assert s.producer.state("p1") is TransferState.RELEASED
         st = s.producer.stats()

@@ -21,6 +21,7 @@ from prefill_server.engine.engine import Engine
 from prefill_server.engine.types import PrefillRequest
 from prefill_server.errors import PromptTooLong, RequestCancelled, TransferError
 from prefill_server.models.reference_attention import CausalAttention
+from decode_side import wait_done
 
 SECRET = b"test-secret-0123456789"
 BS = 16
@@ -65,16 +66,7 @@ class Setup:
         return fut
 
     def wait(self, rid, timeout=60.0, receiver=None):
-        receiver = receiver or self.receiver
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            r = receiver.poll()
-            if rid in r.done:
-                return "done"
-            if rid in r.failed:
-                return r.failed[rid]
-            time.sleep(0.01)
-        return "timeout"
+        return wait_done(receiver or self.receiver, rid, timeout)
 
 
 @pytest.fixture()
@@ -97,6 +89,14 @@ def received(caches, layer, block_ids, n):
     return flat[..., :d], flat[..., d:]
 
 
+def assert_received_equals(caches, block_ids, attn, n):
+    """Every layer's K/V of n tokens in the decode's blocks equals the reference forward's."""
+    for layer in range(len(caches)):  # every layer the decode has
+        k, v = received(caches, layer, block_ids, n)
+        torch.testing.assert_close(k, attn.keys[layer], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(v, attn.values[layer], rtol=1e-4, atol=1e-4)
+
+
 def test_streamed_kv_equals_a_plain_forward_and_frees_everything(setup, loaded):
     ids = loaded.tokenizer.encode("Streaming each layer into the decode's blocks. " * 12)
     blocks = list(range(100, 100 - -(-len(ids) // BS), -1))  # any order, the decode's ids
@@ -105,10 +105,7 @@ def test_streamed_kv_equals_a_plain_forward_and_frees_everything(setup, loaded):
     res = fut.result(timeout=60)
     ref_logits, attn = reference_kv(loaded, ids)
     assert res.first_token_id == int(torch.argmax(ref_logits))
-    for layer in range(loaded.config.num_layers):
-        k, v = received(setup.caches, layer, blocks, len(ids))
-        torch.testing.assert_close(k, attn.keys[layer], rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(v, attn.values[layer], rtol=1e-4, atol=1e-4)
+    assert_received_equals(setup.caches, blocks, attn, len(ids))
     assert setup.pool.num_used == 0 and setup.producer.num_active == 0
 
 
