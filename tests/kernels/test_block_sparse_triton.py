@@ -62,12 +62,14 @@ def test_kernel_tilings(triton_device, gp, tok, bn, mode):
     assert (l.double().cpu() - l2).abs().max() < 1e-3
 
 
-@pytest.mark.parametrize("fma,kvload,rcp", [(1, 0, 0), (0, 1, 1), (1, 2, 1), (0, 2, 0)])
+@pytest.mark.parametrize("mode,fma,kvload,rcp,rowsum", [
+    ("grid", 1, 0, 0, 0), ("grid", 0, 1, 1, 1), ("grid", 1, 2, 1, 0), ("grid", 0, 2, 0, 0),
+    ("grid", 1, 2, 1, 1), ("merged", 1, 0, 1, 1)])
 @pytest.mark.parametrize("dense", [False, True])
-def test_kernel_load_and_softmax_variants(triton_device, fma, kvload, rcp, dense):
+def test_kernel_load_and_softmax_variants(triton_device, mode, fma, kvload, rcp, rowsum, dense):
     """Grid scheme: scale folded into the exp2 FMA, K/V tiles from a scalar base + invariant offsets
-    (kvload=1) or TMA tensor descriptors (kvload=2), reciprocal epilogue (rcp), on varlen
-    q_len < k_len, sparse and dense."""
+    (kvload=1) or TMA tensor descriptors (kvload=2), reciprocal epilogue (rcp), row sums on the
+    tensor cores (rowsum; also in the merged loop), on varlen q_len < k_len, sparse and dense."""
     bs = 32
     q, k, v, cu_q, cu_k = batch([70, 33, 40], [150, 33, 300], 8, 2, 64, bs, dtype=torch.float16,
                                 device=triton_device)
@@ -80,8 +82,8 @@ def test_kernel_load_and_softmax_variants(triton_device, fma, kvload, rcp, dense
     from prefill_server.kernels.block_sparse import kernel
     out = torch.full_like(q, float("nan"))
     lse = torch.full((q.shape[0], q.shape[1]), float("nan"), device=q.device)
-    o, l = kernel.attention(q, k, v, lay, p.idx, p.cnt, dense=dense, out=out, lse=lse, mode="grid",
-                            bn=32, fma=fma, kvload=kvload, rcp=rcp)
+    o, l = kernel.attention(q, k, v, lay, p.idx, p.cnt, dense=dense, out=out, lse=lse, mode=mode,
+                            bn=32, fma=fma, kvload=kvload, rcp=rcp, rowsum=rowsum)
     assert not torch.isnan(o).any() and not torch.isnan(l).any(), "unwritten output"
     o2, l2 = brute_force(q, k, v, cu_q, cu_k, sel, bs)
     assert rel_l2(o, o2) < TOL[torch.float16]

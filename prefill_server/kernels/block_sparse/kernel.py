@@ -71,7 +71,10 @@ def _item(item, n_slots, SLOT_SEQ, SLOT_QBLK, CU_Q, CU_K, G: tl.constexpr, GP: t
 
 
 @triton.jit
-def _update(q, k, v, s_ok, m_i, l_i, acc, qk_scale, MASK: tl.constexpr, FMA: tl.constexpr):
+def _update(q, k, v, s_ok, m_i, l_i, acc, qk_scale, MASK: tl.constexpr, FMA: tl.constexpr,
+            ROWSUM: tl.constexpr = False):
+    """One key tile. ``l_i``: [M] running row sums, or with ``ROWSUM`` [M, 8] whose every column is
+    the row sum, accumulated on the tensor cores as ``p @ 1`` (no per-step row reduction)."""
     s = tl.dot(q, tl.trans(k))
     if MASK:
         s = tl.where(s_ok, s, float("-inf"))
@@ -83,16 +86,22 @@ def _update(q, k, v, s_ok, m_i, l_i, acc, qk_scale, MASK: tl.constexpr, FMA: tl.
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    pv = p.to(v.dtype)
+    if ROWSUM:
+        l_i = tl.dot(pv, tl.full([k.shape[0], 8], 1.0, v.dtype), l_i * alpha[:, None])
+    else:
+        l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc)
+    acc = tl.dot(pv, v, acc)
     return m_new, l_i, acc
 
 
 @triton.jit
 def _store(O, LSE, acc, m_i, l_i, q_start, tok, head, row_ok, stride_ot, stride_oh, stride_lt,
-           D: tl.constexpr, RCP: tl.constexpr = False):
+           D: tl.constexpr, RCP: tl.constexpr = False, ROWSUM: tl.constexpr = False):
     dd = tl.arange(0, D)
+    if ROWSUM:  # [M, 8], all columns equal
+        l_i = tl.max(l_i, 1)
     l_i = tl.where(l_i > 0.0, l_i, 1.0)  # only rows of idle items, never stored
     if RCP:  # one division per row, then a multiply per element (acc / l is a ~4-instruction
         out = acc * (1.0 / l_i)[:, None]  # full-range division per element: ~270 SASS instructions)
@@ -110,7 +119,8 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K, SLOT_SEQ, SLOT_QBLK, IDX, CNT, K_DESC
               stride_lt, stride_is, stride_ih, stride_cs,
               G: tl.constexpr, GP: tl.constexpr, TOK: tl.constexpr, BS: tl.constexpr,
               BN: tl.constexpr, D: tl.constexpr, DENSE: tl.constexpr, MERGED: tl.constexpr,
-              FMA: tl.constexpr, KVLOAD: tl.constexpr, WS: tl.constexpr, RCP: tl.constexpr):
+              FMA: tl.constexpr, KVLOAD: tl.constexpr, WS: tl.constexpr, RCP: tl.constexpr,
+              ROWSUM: tl.constexpr = False):
     NSUB: tl.constexpr = BS // BN
     M: tl.constexpr = TOK * GP
     SPLIT: tl.constexpr = BS // TOK
@@ -129,7 +139,10 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K, SLOT_SEQ, SLOT_QBLK, IDX, CNT, K_DESC
     kbase = K + k_start.to(tl.int64) * stride_kt + kvh * stride_kh
     vbase = V + k_start.to(tl.int64) * stride_vt + kvh * stride_vh
     m_i = tl.full([M], float("-inf"), tl.float32)
-    l_i = tl.zeros([M], tl.float32)
+    if ROWSUM:
+        l_i = tl.zeros([M, 8], tl.float32)
+    else:
+        l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, D], tl.float32)
     if DENSE:
         n_off = diag_lo * NSUB
@@ -151,7 +164,7 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K, SLOT_SEQ, SLOT_QBLK, IDX, CNT, K_DESC
             k = tl.load(kbase + kt.to(tl.int64)[:, None] * stride_kt + dd[None, :], mask=kmask[:, None], other=0.0)
             v = tl.load(vbase + kt.to(tl.int64)[:, None] * stride_vt + dd[None, :], mask=kmask[:, None], other=0.0)
             s_ok = kt[None, :] <= (q_pos + tl.where(is_diag, 0, BIG))[:, None]
-            m_i, l_i, acc = _update(q, k, v, s_ok, m_i, l_i, acc, qk_scale, True, FMA)
+            m_i, l_i, acc = _update(q, k, v, s_ok, m_i, l_i, acc, qk_scale, True, FMA, ROWSUM)
     else:
         koffs = cols[:, None] * stride_kt + dd[None, :]  # KVLOAD 1: loop-invariant int32 offsets
         voffs = cols[:, None] * stride_vt + dd[None, :]
@@ -171,14 +184,17 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K, SLOT_SEQ, SLOT_QBLK, IDX, CNT, K_DESC
                 kt = (row0 + cols).to(tl.int64)
                 k = tl.load(kbase + kt[:, None] * stride_kt + dd[None, :])
                 v = tl.load(vbase + kt[:, None] * stride_vt + dd[None, :])
-            m_i, l_i, acc = _update(q, k, v, None, m_i, l_i, acc, qk_scale, False, FMA)
+            m_i, l_i, acc = _update(q, k, v, None, m_i, l_i, acc, qk_scale, False, FMA, ROWSUM)
+        if ROWSUM:  # [M, 8] -> [M]: all columns hold the same sum; the few diagonal tiles reduce per step
+            l_i = tl.max(l_i, 1)
         for n0 in range(diag_lo * BS, q_last + 1, BN):
             kt = n0 + cols
             kmask = kt <= q_last
             k = tl.load(kbase + kt.to(tl.int64)[:, None] * stride_kt + dd[None, :], mask=kmask[:, None], other=0.0)
             v = tl.load(vbase + kt.to(tl.int64)[:, None] * stride_vt + dd[None, :], mask=kmask[:, None], other=0.0)
             m_i, l_i, acc = _update(q, k, v, kt[None, :] <= q_pos[:, None], m_i, l_i, acc, qk_scale, True, FMA)
-    _store(O, LSE, acc, m_i, l_i, q_start, tok, head, row_ok, stride_ot, stride_oh, stride_lt, D, RCP)
+    _store(O, LSE, acc, m_i, l_i, q_start, tok, head, row_ok, stride_ot, stride_oh, stride_lt, D, RCP,
+           ROWSUM and MERGED)
 
 
 @triton.jit
@@ -301,7 +317,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, idx: to
               num_warps: int | None = None, num_stages: int | None = None, mode: str | None = None,
               maxnreg: int | None = None, ctas_per_sm: int | None = None, nprog: int | None = None,
               fma: bool | None = None, kvload: int | None = None, ws: bool | None = None,
-              rcp: bool | None = None, sched_cache: dict | None = None, sched=None,
+              rcp: bool | None = None, rowsum: bool | None = None, sched_cache: dict | None = None, sched=None,
               out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
     """Launch the kernel. ``idx`` int32 [n_slots, Hkv, cap] / ``cnt`` int32 [n_slots, Hkv] come from
     ``estimate.select_blocks`` or ``api.mask_to_indices``; ``dense=True`` ignores them and visits
@@ -324,6 +340,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, idx: to
     kvload = int(dflt.get("kvload", 0) if kvload is None else kvload)
     ws = bool(dflt.get("ws", 0) if ws is None else ws)
     rcp = bool(dflt.get("rcp", 0) if rcp is None else rcp)
+    rowsum = bool(dflt.get("rowsum", 0) if rowsum is None else rowsum)
     dgp, dtok = default_tiling(g, bs)
     if gp is None and dflt.get("gp") and g % dflt["gp"] == 0 and bs % dflt.get("tok", bs) == 0:
         gp, tok = dflt["gp"], tok or dflt.get("tok")
@@ -380,5 +397,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, idx: to
             q, k, v, out, lse, layout.cu_q, layout.cu_k, layout.slot_seq, layout.slot_qblk, idx, cnt2,
             kd, vd, layout.n_slots, scale * LOG2E, *strides,
             G=g, GP=gp, TOK=tok, BS=bs, BN=bn, D=d, DENSE=dense, MERGED=(mode == "merged"),
-            FMA=fma, KVLOAD=kvload, WS=ws, RCP=rcp, **kw)
+            FMA=fma, KVLOAD=kvload, WS=ws, RCP=rcp, ROWSUM=rowsum, **kw)
     return out, lse
