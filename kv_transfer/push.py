@@ -13,7 +13,7 @@ Per request (``TransferState``)::
     engine: finish(rid): every layer posted, every WRITE DONE  RELEASED
     any time: abort (gateway / engine), Cancel from the decode, a WRITE error, no Register within
     ``register_timeout_s``: ABORTED / FAILED / EXPIRED; the decode gets "psv1 fail rid reason"
-    whenever it registered and did not get all layers.
+    whenever it registered and did not get all layers (after an abort: once no WRITE is in flight).
 
 Posting happens on the producer's poster thread, never on the caller's: ``layer_done`` only
 queues ``(request, layer, pages, event)``, so the forward's thread never waits for the GPU and the
@@ -21,10 +21,15 @@ GPU's queue does not drain at a layer boundary (the poster waits on the event an
 next layers compute). ``async_post=False`` posts on the caller's thread instead (the behaviour
 before; kept for the benchmark's comparison).
 
-Ownership: staging pages belong to the engine (it frees them once ``finish`` or ``abort``
-returns); this producer never frees pool blocks. It guarantees that once ``finish``/``abort``
-returns and once a Cancel is acknowledged, none of the request's WRITEs is still in flight, so
-neither side's blocks can be overwritten after they are reused.
+Ownership: staging pages belong to the engine (it frees them once ``finish`` returns, or when
+``abort`` calls its ``on_idle``); this producer never frees pool blocks. It guarantees that once
+``finish`` returns, once ``abort``'s ``on_idle`` runs and once a Cancel is acknowledged, none of
+the request's WRITEs is still in flight (or, past ``transfer_timeout_s``, they were given up), so
+neither side's blocks can be overwritten after they are reused. ``abort`` itself waits at most
+``abort_wait_s`` (a fraction of a second): WRITEs still in flight then are left to the service
+thread, which ends the request once they are done, or gives them up ``transfer_timeout_s`` after
+the abort, and calls ``on_idle`` then. A decode that dies with a WRITE in flight thus never stalls
+the engine that aborts the request.
 
 Pull fallback: a Register with ``transfer_mode="pull"`` makes the request an ordinary prefill
 (``wants_pull``); the engine then hands its blocks to ``publish`` and ``kv_transfer.pull.PullLeases``
@@ -39,7 +44,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,13 +88,18 @@ class _Push:
     unposted: set[int] = field(default_factory=set)  # layers queued for the poster, not yet handled
     closing: bool = False  # abort/cancel under way: nothing more is posted
     descs: dict[int, tuple] = field(default_factory=dict)  # id(src_pages) -> (src_pages, src, dst - layer base)
+    abort_reason: str = ""  # aborted: ends (ABORTED) once no WRITE is in flight (see PushProducer.abort)
+    aborted_at: float = 0.0
+    on_idle: list[Callable[[], None]] = field(default_factory=list)  # abort's callbacks, run once it ends
 
 
 class PushProducer:
     """Prefill side of connector mode. ``geometry`` is our pool's (``wire.Geometry``), ``secret``
     the shared HMAC key; ``host``/``port`` the side channel advertised to (and bound for)
     decodes. ``async_post``: post each layer's WRITE on the producer's poster thread (default) or
-    on the caller's (the behaviour before; the benchmark compares the two)."""
+    on the caller's (the behaviour before; the benchmark compares the two).
+    ``transfer_timeout_s`` bounds every wait for a WRITE (the server keeps it within the lease
+    time); ``abort_wait_s`` is the most ``abort`` itself waits for one (then: the service thread)."""
 
     mode = TransferMode.PUSH
 
@@ -97,13 +107,17 @@ class PushProducer:
                  host: str = "127.0.0.1", port: int = 0, bind_host: str | None = None,
                  register_timeout_s: float = 60.0, transfer_timeout_s: float = 60.0,
                  poll_interval_s: float = 0.002, keep_finished: int = 4096, async_post: bool = True,
-                 lease_ttl_s: float = 30.0):
+                 lease_ttl_s: float = 30.0, abort_wait_s: float = 0.25):
         if len(secret) < 16:
             raise ValueError("the connector secret must have at least 16 bytes")
+        if not transfer_timeout_s > 0 or not abort_wait_s >= 0:
+            raise ValueError(f"transfer_timeout_s must be positive (got {transfer_timeout_s}) and "
+                             f"abort_wait_s >= 0 (got {abort_wait_s})")
         self.pool, self.geometry, self.secret = pool, geometry, secret
         self.host, self.bind_host, self.port = host, bind_host or host, port
         self.register_timeout_s, self.transfer_timeout_s = register_timeout_s, transfer_timeout_s
         self.poll_interval_s = poll_interval_s
+        self.abort_wait_s = min(abort_wait_s, transfer_timeout_s)
         self.async_post = async_post
         self.engine_id = f"prefill-push-{uuid.uuid4()}"
         self._lock = threading.RLock()  # guards _reqs, _finished, _jobs and every NIXL agent call
@@ -112,6 +126,7 @@ class PushProducer:
         self._poster: threading.Thread | None = None
         self._reqs: dict[str, _Push] = {}
         self._finished: OrderedDict[str, TransferState] = OrderedDict()
+        self._due: list[Callable[[], None]] = []  # ended requests' on_idle callbacks, not run yet
         self._keep_finished = keep_finished
         self._remotes: dict[str, bytes] = {}  # agent name -> metadata we loaded
         self._replay = wire.ReplayGuard()
@@ -160,6 +175,15 @@ class PushProducer:
             return
         for rid in list(self._reqs):
             self.abort(rid)
+        while True:  # aborts with WRITEs in flight end here (done, or given up at their timeout)
+            with self._lock:
+                self._reap()
+                left = any(p.abort_reason for p in self._reqs.values())
+                due = self._take_due()
+            self._run_callbacks(due)
+            if not left:
+                break
+            time.sleep(0.005)
         with self._lock:
             self.pull.stop()  # leases still held end here
             self._stop.set()
@@ -390,25 +414,41 @@ class PushProducer:
         self._stats.add(released_total=1)
         return {"layer_times": times}
 
-    def abort(self, request_id: str, reason: str = "aborted by the prefill server") -> bool:
-        """Stop the request: drop its queued layers (nothing more is posted), wait for in-flight
-        WRITEs, tell a registered decode it failed."""
+    def abort(self, request_id: str, reason: str = "aborted by the prefill server",
+              on_idle: Callable[[], None] | None = None) -> bool:
+        """Stop the request: drop its queued layers (nothing more is posted); once none of its
+        WRITEs is in flight, tell a registered decode it failed, end it (ABORTED) and call
+        ``on_idle`` (where the caller frees the staging pages). Waits at most ``abort_wait_s``
+        for in-flight WRITEs (ending it within that, it calls ``on_idle`` before returning); past
+        that the service thread ends the request once they are done, or gives them up
+        ``transfer_timeout_s`` after the abort, and calls ``on_idle`` then. ``on_idle`` runs
+        exactly once and never under this producer's lock; at once when the request is unknown
+        (returns False) or a pull lease."""
         with self._lock:
-            if self.pull.abort(request_id, reason, self._send_notif):
+            p = None if (leased := self.pull.abort(request_id, reason, self._send_notif)) \
+                else self._reqs.get(request_id)
+            if p is not None:
+                p.closing = True
+                self._drop_jobs(p)
+                if not p.abort_reason:
+                    p.abort_reason, p.aborted_at = reason or "aborted", time.monotonic()
+                    self._stats.add(aborted_total=1)
+                if on_idle is not None:
+                    p.on_idle.append(on_idle)
+        if p is None:
+            self._run_callbacks([on_idle] if on_idle is not None else [])
+            return leased
+        deadline = time.monotonic() + self.abort_wait_s
+        delay = 0.0002
+        while True:
+            with self._lock:  # (the service thread leaves it alone until abort_wait_s has passed)
+                ended = self._reqs.get(request_id) is not p or self._try_end(p)
+                due = self._take_due()
+            self._run_callbacks(due)
+            if ended or time.monotonic() >= deadline:
                 return True
-            p = self._reqs.get(request_id)
-            if p is None:
-                return False
-            p.closing = True
-            self._drop_jobs(p)
-        try:
-            self._wait(request_id, lambda q: list(q.handles), self.transfer_timeout_s, raise_errors=False)
-        finally:
-            with self._lock:
-                if request_id in self._reqs:
-                    self._fail(p, reason, TransferState.ABORTED)
-        self._stats.add(aborted_total=1)
-        return True
+            time.sleep(delay)
+            delay = min(delay * 2, 0.005)
 
     def state(self, request_id: str) -> TransferState | None:
         with self._lock:
@@ -430,7 +470,8 @@ class PushProducer:
 
     # ---- internals ----
     def _wait(self, request_id: str, which, timeout_s: float | None = None, raise_errors: bool = True) -> None:
-        deadline = time.monotonic() + (timeout_s or self.transfer_timeout_s)
+        limit = timeout_s or self.transfer_timeout_s
+        deadline = time.monotonic() + limit
         delay = 0.0002
         while True:
             with self._lock:
@@ -439,36 +480,74 @@ class PushProducer:
                     if raise_errors:
                         raise RequestCancelled(f"request {request_id} was aborted")
                     return
-                pending = [layer for layer in which(p) if layer in p.handles]
-                for layer in pending:
-                    state = self._agent.poll(p.handles[layer])
-                    if state == "PROC":
-                        continue
-                    self._agent.release(p.handles.pop(layer))
-                    lt = [x for x in p.layer_times if x[0] == layer]
-                    if lt:
-                        p.layer_times[p.layer_times.index(lt[-1])] = (layer, lt[-1][1], time.monotonic())
-                    if state == "DONE":
-                        p.layers_written.add(layer)
-                    else:
-                        self._fail(p, f"WRITE of layer {layer} failed: {state}", keep=True)
-                pending = [layer for layer in which(p) if layer in p.handles]
-                if not pending:
+                self._poll_handles(p, which(p))
+                if not [layer for layer in which(p) if layer in p.handles]:
                     if raise_errors and p.state.is_terminal and p.state is not TransferState.RELEASED:
                         raise TransferError(p.error or f"transfer {p.state.value}")
                     return
-            if time.monotonic() >= deadline:
-                with self._lock:
-                    self._fail(p, f"WRITEs still in flight after {timeout_s or self.transfer_timeout_s:.0f} s "
-                                  "(decode gone?)", keep=True)
-                    for h in p.handles.values():
-                        self._agent.release(h)
-                    p.handles.clear()
-                if raise_errors:
-                    raise TransferError(p.error)
-                return
+                if time.monotonic() >= deadline:
+                    self._give_up(p, limit)
+                    if raise_errors:
+                        raise TransferError(p.error)
+                    return
             time.sleep(delay)
             delay = min(delay * 2, 0.005)
+
+    def _poll_handles(self, p: _Push, layers) -> None:
+        """(lock held) Check the WRITEs of ``layers`` still in flight; release the finished ones
+        (DONE: the layer is written; an error state fails the request)."""
+        for layer in [x for x in layers if x in p.handles]:
+            state = self._agent.poll(p.handles[layer])
+            if state == "PROC":
+                continue
+            self._agent.release(p.handles.pop(layer))
+            lt = [x for x in p.layer_times if x[0] == layer]
+            if lt:
+                p.layer_times[p.layer_times.index(lt[-1])] = (layer, lt[-1][1], time.monotonic())
+            if state == "DONE":
+                p.layers_written.add(layer)
+            else:
+                self._fail(p, f"WRITE of layer {layer} failed: {state}", keep=True)
+
+    def _give_up(self, p: _Push, limit: float) -> None:
+        """(lock held) WRITEs still in flight after ``limit`` seconds: fail the request (the decode
+        is told) and release their handles."""
+        self._fail(p, f"WRITEs still in flight after {limit:g} s (decode gone?)", keep=True)
+        for h in p.handles.values():
+            self._agent.release(h)
+        p.handles.clear()
+
+    def _try_end(self, p: _Push) -> bool:
+        """(lock held) An aborted request: once none of its WRITEs is in flight (given up
+        ``transfer_timeout_s`` after the abort), end it (ABORTED; the decode is told; its
+        ``on_idle`` callbacks become due). False while WRITEs are still in flight."""
+        self._poll_handles(p, list(p.handles))
+        if p.handles and time.monotonic() < p.aborted_at + self.transfer_timeout_s:
+            return False
+        if p.handles:
+            self._give_up(p, self.transfer_timeout_s)
+        self._fail(p, p.abort_reason, TransferState.ABORTED)  # (no handle left: the entry ends)
+        return True
+
+    def _reap(self) -> None:
+        """(lock held; the service thread) ``_try_end`` the aborted requests whose ``abort`` has
+        stopped waiting (``abort_wait_s``): their WRITEs were still in flight then."""
+        now = time.monotonic()
+        for p in [q for q in self._reqs.values() if q.abort_reason and now >= q.aborted_at + self.abort_wait_s]:
+            self._try_end(p)
+
+    def _take_due(self) -> list[Callable[[], None]]:
+        """(lock held) The due ``on_idle`` callbacks, for the caller to run once it has let go of the lock."""
+        due, self._due = self._due, []
+        return due
+
+    @staticmethod
+    def _run_callbacks(callbacks: list[Callable[[], None]]) -> None:
+        for cb in callbacks:
+            try:
+                cb()
+            except Exception:  # noqa: BLE001 - one failing callback never stops the service thread
+                log.exception("an abort's on_idle callback failed")
 
     def _fail(self, p: _Push, reason: str, state: TransferState = TransferState.FAILED,
               keep: bool = False) -> None:
@@ -490,6 +569,8 @@ class PushProducer:
     def _end(self, p: _Push, state: TransferState) -> None:
         p.state = state
         self._reqs.pop(p.request_id, None)
+        self._due += p.on_idle  # (an abort's callbacks, however the entry ends)
+        p.on_idle = []
         self._ended(p.request_id, state)
 
     def _ended(self, request_id: str, state: TransferState) -> None:
@@ -506,6 +587,7 @@ class PushProducer:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         while not self._stop.is_set():
+            due: list[Callable[[], None]] = []
             try:
                 for _ in poller.poll(int(self.poll_interval_s * 1000) or 1):
                     frames = self._sock.recv_multipart(zmq.NOBLOCK)
@@ -519,12 +601,16 @@ class PushProducer:
                             self.pull.on_notif(agent, msg)  # a pull READ is over
                         self.pull.expire(self._send_notif)
                         self._progress_writes()
+                        self._reap()  # aborted requests whose WRITEs are over (or given up)
+                        due = self._take_due()
             except Exception:  # noqa: BLE001 - one bad message never stops the service
                 log.exception("push side channel error")
                 self._stop.wait(0.05)
+            self._run_callbacks(due)
 
     def _progress_writes(self) -> None:
-        """(lock held) Check the state of every in-flight WRITE (releasing none: ``_wait`` does).
+        """(lock held) Check the state of every in-flight WRITE (releasing none: ``_wait`` and
+        ``_try_end`` do).
         NIXL moves a transfer on, and sends its notification, only when its state is checked:
         checked only by ``wait_layer`` (two layers later) and ``finish``, a 128K layer's WRITE
         reached the decode ~106 ms after it was posted on an H200 (nixl-cu13 1.5.1, cuda_ipc;

@@ -6,7 +6,12 @@ import json
 import logging
 import sys
 
-from prefill_server.config import TRANSFER_MODES, EngineConfig, ServerConfig
+from prefill_server.config import DEFAULT_TRANSFER_TIMEOUT_S, TRANSFER_MODES, EngineConfig, ServerConfig
+
+
+def seconds_or_auto(text: str) -> float | None:
+    """A number of seconds, or None for "auto" (the setting's own default); checked by the config."""
+    return None if text == "auto" else float(text)
 
 
 def _serve_parser(sub) -> None:
@@ -70,6 +75,12 @@ def _serve_parser(sub) -> None:
                         "(>= 16 characters); default: the PREFILL_SERVER_SECRET environment variable")
     p.add_argument("--register-timeout", type=float, default=s.register_timeout_s,
                    help="connector mode: seconds a request waits for its decode to register before failing")
+    p.add_argument("--transfer-timeout", type=seconds_or_auto, default="auto", metavar="SECONDS",
+                   help="connector mode: the most seconds any wait for a KV WRITE to the decode lasts; "
+                        "a WRITE still in flight then (e.g. its decode died) is given up, the request "
+                        "fails and its staging blocks are freed (an aborted request's wait happens off "
+                        f"the engine's thread). auto: {DEFAULT_TRANSFER_TIMEOUT_S:g}, or --lease-ttl if "
+                        "shorter")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* and (as metadata) on gRPC prefill calls")
     p.add_argument("--grpc-port", type=int, default=None,
@@ -143,7 +154,8 @@ def _serve(args) -> int:
                         api_key=args.api_key, decode_attn_backend=args.decode_attn_backend,
                         grpc_port=args.grpc_port, grpc_tls_cert=args.grpc_tls_cert,
                         grpc_tls_key=args.grpc_tls_key, grpc_tls_client_ca=args.grpc_tls_client_ca,
-                        secret_file=args.secret_file, register_timeout_s=args.register_timeout)
+                        secret_file=args.secret_file, register_timeout_s=args.register_timeout,
+                        transfer_timeout_s=args.transfer_timeout)
     try:
         ecfg.validate()
         scfg.validate()

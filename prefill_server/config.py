@@ -1,9 +1,11 @@
 """User-facing configuration: frozen dataclasses, validated once at the edge (CLI flags)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 TRANSFER_MODES = ("nixl-compat", "connector", "local")
+DEFAULT_TRANSFER_TIMEOUT_S = 30.0  # connector mode; capped at the lease time unless set explicitly
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,10 @@ class ServerConfig:
     decode_attn_backend: str | None = None  # the decode's attention backend (nixl-compat hash)
     secret_file: str | None = None  # connector mode: file with the shared HMAC secret (else env)
     register_timeout_s: float = 60.0  # connector mode: wait this long for the decode to register
+    # connector mode: the most any wait for a WRITE to the decode lasts (finish, slot reuse, abort);
+    # a WRITE to a decode that died is given up then and its staging blocks are freed.
+    # None = min(DEFAULT_TRANSFER_TIMEOUT_S, the lease time): see transfer_timeout_for
+    transfer_timeout_s: float | None = None
 
     def validate(self) -> None:
         if self.transfer_mode not in TRANSFER_MODES:
@@ -67,6 +73,9 @@ class ServerConfig:
                              f"not {self.transfer_mode!r}")
         if self.register_timeout_s <= 0:
             raise ValueError("--register-timeout must be positive")
+        if self.transfer_timeout_s is not None and not (math.isfinite(self.transfer_timeout_s)
+                                                        and self.transfer_timeout_s > 0):
+            raise ValueError(f"--transfer-timeout must be a positive number of seconds, not {self.transfer_timeout_s}")
         if self.transfer_mode != "local" and not self.decode_url:
             raise ValueError(f"--transfer-mode {self.transfer_mode} needs --decode-url")
         if not (0 <= self.port < 65536 and 0 <= self.side_channel_port < 65536):
@@ -79,3 +88,10 @@ class ServerConfig:
             raise ValueError("--grpc-tls-cert and --grpc-tls-key go together")
         if self.grpc_tls_client_ca and not self.grpc_tls_cert:
             raise ValueError("--grpc-tls-client-ca needs --grpc-tls-cert and --grpc-tls-key")
+
+    def transfer_timeout_for(self, lease_ttl_s: float) -> float:
+        """The transfer timeout in effect: the one set, else 30 s or the lease time if shorter (the
+        staging blocks of a WRITE stuck to a dead decode are back within the lease time)."""
+        if self.transfer_timeout_s is not None:
+            return self.transfer_timeout_s
+        return min(DEFAULT_TRANSFER_TIMEOUT_S, lease_ttl_s)

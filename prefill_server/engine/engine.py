@@ -18,9 +18,12 @@ Push (connector mode, ``submit_push``): the producer is told at submit (``expect
 destination blocks (or fails after the producer's register timeout), then runs whole in one step on
 staging blocks; every layer is WRITTEN to the decode as soon as it is computed. ``producer.finish``
 waits for the last WRITE, then the engine frees the staging blocks. On any failure or abort the
-engine calls ``producer.abort`` (which waits for in-flight WRITEs and tells the decode) BEFORE
-freeing them; an abort while the forward runs stops it at the next layer (the runner checks
-``Sequence.abort_requested``), not at the end of the prompt. If the decode registered asking for
+engine calls ``producer.abort`` and frees them only when the producer calls back (``on_idle``):
+no WRITE reads them any more (at once in the usual case; a WRITE still in flight to a dead decode
+holds them until it is done or the producer's transfer timeout gives it up, while the engine
+goes on serving). ``producer.abort`` is never called with the engine lock held. An abort while
+the forward runs stops it at the next layer (the runner checks ``Sequence.abort_requested``),
+not at the end of the prompt. If the decode registered asking for
 the pull fallback (``producer.wants_pull``), the request runs like a pull-mode one (whole prompt in
 the pool, chunked) and ``producer.publish`` leases its blocks to the decode, which READs them
 (``kv_transfer.pull``).
@@ -30,6 +33,7 @@ fails only the requests in that step and the loop keeps serving.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import time
@@ -59,6 +63,8 @@ class Engine:
                                    push_ready=getattr(producer, "is_ready", None),
                                    wants_pull=getattr(producer, "wants_pull", None))
         self.supports_push = hasattr(producer, "expect")
+        # a push producer's abort calls back once no WRITE reads the staging blocks (else: it waited)
+        self._abort_calls_back = self.supports_push and "on_idle" in inspect.signature(producer.abort).parameters
         runner.producer = producer if self.supports_push else None
         self.metrics = metrics or Metrics()
         self.metrics.blocks_total.set(pool.num_blocks)
@@ -147,11 +153,17 @@ class Engine:
             with self._wake:
                 while not self._stop and not self.scheduler.has_work():
                     self._wake.wait(timeout=0.5)
-                if self._stop:
-                    self._fail_all(RequestCancelled("server shutting down"))
-                    return
-                self._apply_aborts()
-                chunks, timed_out = self.scheduler.schedule()
+                stop = self._stop
+                if stop:
+                    failed = [(seq, RequestCancelled("server shutting down"), self._detach(seq))
+                              for seq in list(self.scheduler.running) + list(self.scheduler.waiting)]
+                else:
+                    failed = self._apply_aborts()
+                    chunks, timed_out = self.scheduler.schedule()
+            for seq, err, blocks in failed:  # (without the lock: an abort may wait for WRITEs)
+                self._fail(seq, err, blocks)
+            if stop:
+                return
             for seq in timed_out:
                 self._fail(seq, PoolExhausted(
                     f"no KV blocks freed up within {self.scheduler.max_queue_wait_s:.0f} s "
@@ -172,8 +184,9 @@ class Engine:
             else:
                 log.exception("forward failed for %d chunk(s)", len(chunks))
             with self._wake:
-                for c in chunks:
-                    self._fail(c.seq, e, locked=True)
+                blocks = [self._detach(c.seq) for c in chunks]
+            for c, b in zip(chunks, blocks):
+                self._fail(c.seq, e, b)
             return
         with self._wake:
             done = self.scheduler.advance(chunks)
@@ -216,35 +229,70 @@ class Engine:
             return
         seq.future.set_result(result)
 
-    def _fail(self, seq: Sequence, err: BaseException, locked: bool = False) -> None:
+    def _detach(self, seq: Sequence) -> list[int]:  # lock held
+        """Take a failing sequence out of the scheduler (it is never scheduled again); returns its
+        blocks, for ``_fail`` to free."""
+        blocks, seq.block_ids = seq.block_ids, []
+        self.scheduler.remove(seq)
+        return blocks
+
+    def _fail(self, seq: Sequence, err: BaseException, blocks: list[int] | None = None) -> None:
+        """Fail a sequence. Never call it with the engine lock held: a push abort may wait (at most
+        the producer's abort_wait_s) for in-flight WRITEs. ``blocks``: from ``_detach`` (None: the
+        sequence is detached here). Connector mode: the producer calls back once no WRITE reads
+        the blocks, and they are freed then; the future fails after that unless a WRITE was still
+        in flight when the abort returned (then at once: the blocks follow when it is over)."""
+        if blocks is None:
+            with self._wake:
+                blocks = self._detach(seq)
+        free = self._freer(blocks)
+        calls_back = seq.connector and self._abort_calls_back
         if seq.connector:  # no WRITE may still read the staging blocks when freed; the decode is told
             try:
-                self.producer.abort(seq.request_id, f"prefill failed: {err}")
+                if calls_back:
+                    self.producer.abort(seq.request_id, f"prefill failed: {err}", on_idle=free)
+                else:  # (a producer without on_idle waits for its WRITEs before it returns)
+                    self.producer.abort(seq.request_id, f"prefill failed: {err}")
             except Exception:  # noqa: BLE001 - the producer bounds its waits; never stop the loop
                 log.exception("push abort of %s failed", seq.request_id)
-        if locked:
-            self.scheduler.remove(seq)
-        else:
-            with self._wake:
-                self.scheduler.remove(seq)
+                free()
+        if not calls_back:
+            free()
         self.metrics.requests.labels(type(err).__name__).inc()
         if not seq.future.done():
             if seq.future.set_running_or_notify_cancel():
                 seq.future.set_exception(err)
 
-    def _apply_aborts(self) -> None:  # called with the lock held
+    def _freer(self, blocks: list[int]):
+        """A callable that frees ``blocks`` on its first call only (from any thread)."""
+        held = [blocks]
+
+        def free() -> None:
+            try:
+                ids = held.pop()
+            except IndexError:
+                return
+            if ids:
+                self.pool.free(ids)
+        return free
+
+    def _apply_aborts(self) -> list[tuple[Sequence, BaseException, list[int]]]:  # called with the lock held
+        """Detach the aborted, cancelled and overdue sequences; the caller fails them (``_fail``)
+        once it has let go of the lock."""
+        failed: list[tuple[Sequence, BaseException, list[int]]] = []
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             if seq.future.cancelled():  # the caller went away (client disconnect, deadline)
                 self._aborts.add(seq.request_id)
         for rid in list(self._aborts):
             seq = self.scheduler.find(rid)
             if seq is not None:
-                self._fail(seq, RequestCancelled(f"request {rid} was aborted"), locked=True)
+                failed.append((seq, RequestCancelled(f"request {rid} was aborted"), self._detach(seq)))
         self._aborts.clear()
         pulled = [s for s in self.scheduler.running if s.pull]  # (its decode may have cancelled)
         for seq in list(self.scheduler.waiting) + pulled:
             if seq.connector and (why := self.producer.overdue(seq.request_id)):
-                self._fail(seq, self._push_error(seq, why), locked=True)
+                failed.append((seq, self._push_error(seq, why), self._detach(seq)))
+        return failed
 
     def _push_error(self, seq: Sequence, why: str | None = None) -> Exception:
         why = why or self.producer.overdue(seq.request_id) or "the decode's registration was lost"
@@ -256,10 +304,6 @@ class Engine:
             self.metrics.kv_transfer_time.observe(time.monotonic() - lease.created_at)
         else:
             self.metrics.kv_failed.inc()
-
-    def _fail_all(self, err: BaseException) -> None:  # lock held
-        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
-            self._fail(seq, err, locked=True)
 
     def _update_gauges(self) -> None:
         m = self.metrics

@@ -41,9 +41,14 @@ def build_service(ecfg: EngineConfig, scfg: ServerConfig) -> PrefillService:
                                  num_layers=pool.num_layers, num_kv_heads=pool.num_kv_heads,
                                  head_dim=pool.head_dim, block_size=pool.block_size,
                                  dtype=str(pool.dtype).removeprefix("torch."))
+        transfer_timeout_s = scfg.transfer_timeout_for(ecfg.lease_ttl_s)
+        if transfer_timeout_s > ecfg.lease_ttl_s:
+            log.warning("--transfer-timeout %g s is longer than --lease-ttl %g s: the staging blocks of a "
+                        "WRITE stuck to a dead decode stay held that long", transfer_timeout_s, ecfg.lease_ttl_s)
         producer = PushProducer(pool, geometry, wire.load_secret(secret_file=scfg.secret_file),
                                 host=scfg.side_channel_host, port=scfg.side_channel_port,
-                                register_timeout_s=scfg.register_timeout_s, lease_ttl_s=ecfg.lease_ttl_s)
+                                register_timeout_s=scfg.register_timeout_s,
+                                transfer_timeout_s=transfer_timeout_s, lease_ttl_s=ecfg.lease_ttl_s)
         served = scfg.served_model_name or decode_info.served_model_name
     elif decode_info is None:
         producer, served = LocalProducer(pool, ecfg.lease_ttl_s), scfg.served_model_name or m.path

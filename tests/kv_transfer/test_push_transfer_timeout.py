@@ -1,0 +1,188 @@
+"""Connector mode, a WRITE that never completes (issue 3): the decode died with a layer's WRITE in
+flight and NIXL never fails it. Aborting that request must not stall the engine (no wait under
+its lock, none longer than the producer's short ``abort_wait_s`` on its thread); its staging
+blocks come back once the configured transfer timeout gives the WRITE up. Also: the timeout is a
+setting (``serve --transfer-timeout``, ``ServerConfig``), capped at the lease time by default.
+
+The WRITEs are real (NIXL/UCX on DRAM, the engine and receiver of test_push.py); only the
+producer's handle-state check is substituted, reporting "PROC" forever for the stuck ones."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from kv_transfer import wire
+from kv_transfer.base import TransferState
+from prefill_server.cli import main
+from prefill_server.config import EngineConfig, ServerConfig
+from prefill_server.errors import RequestCancelled
+from test_push import BS, Setup, _registered, hold_at_layer, loaded  # noqa: F401 - (loaded: a fixture)
+
+
+def stick_writes(producer, request_id: str, from_layer: int) -> threading.Event:
+    """From now on, the WRITEs of ``request_id``'s layers >= ``from_layer`` report "PROC" forever
+    (the real check still runs, so NIXL moves them on and their handles can be released). Returns
+    an event set once the first of them is posted."""
+    agent, stuck, posted = producer._agent, [], threading.Event()
+    post, poll = agent.post, agent.poll
+
+    def posting(op, src, dst, remote, mem_type="DRAM", remote_mem_type=None, notif=b""):
+        handle = post(op, src, dst, remote, mem_type, remote_mem_type, notif=notif)
+        parsed = wire.parse_notif(notif)
+        if parsed and parsed[1] == request_id and int(parsed[2]) >= from_layer:
+            stuck.append(handle)
+            posted.set()
+        return handle
+
+    def polling(handle):
+        state = poll(handle)
+        return "PROC" if any(handle is h for h in stuck) else state
+
+    agent.post, agent.poll = posting, polling
+    return posted
+
+
+def stuck_write(s: Setup, request_id: str) -> None:
+    """A request the test's receiver registered for, whose layer 0 WRITE is posted and never completes."""
+    _, pages = _registered(s, request_id)
+    posted = stick_writes(s.producer, request_id, 0)
+    s.producer.layer_done(request_id, 0, pages, None)
+    assert posted.wait(10), "layer 0's WRITE was never posted"
+
+
+def wait_for(predicate, timeout_s: float) -> float:
+    """Wait until ``predicate()`` holds (failing past ``timeout_s``); returns the monotonic time then."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+    return time.monotonic()
+
+
+def test_abort_with_a_write_that_never_completes_does_not_stall_the_engine(loaded):
+    T = 4.0  # the configured transfer timeout
+    s = Setup(loaded, transfer_timeout_s=T)
+    calls = []  # (request id, engine lock held?, seconds) per producer.abort call
+    abort = s.producer.abort
+
+    def watched_abort(request_id, *args, **kwargs):
+        locked, t = s.engine._lock.locked(), time.monotonic()
+        try:
+            return abort(request_id, *args, **kwargs)
+        finally:
+            calls.append((request_id, locked, time.monotonic() - t))
+
+    s.producer.abort = watched_abort
+    try:
+        ids = loaded.tokenizer.encode("This WRITE never completes. " * 40)
+        held, go, _ = hold_at_layer(s.producer, 3)
+        posted = stick_writes(s.producer, "st", 3)
+        fut = s.run("st", ids, list(range(-(-len(ids) // BS))))
+        assert held.wait(120), "the streamed forward never reached layer 3"
+        assert posted.wait(30), "layer 3's WRITE was never posted"
+        staging = s.pool.num_used
+        assert staging == s.pool.stream_blocks_needed(len(ids), 2)
+        t0 = time.monotonic()
+        assert s.engine.abort("st")  # e.g. the gateway saw the decode die
+        go.set()
+        with pytest.raises(RequestCancelled, match="st was aborted"):
+            fut.result(timeout=T)
+        t_failed = time.monotonic() - t0
+        # the engine's abort returned at once (its short wait, not the transfer timeout), without its lock
+        assert [(rid, locked) for rid, locked, _ in calls] == [("st", False)]
+        assert calls[0][2] < 1.0 and t_failed < T / 2, (calls, t_failed)
+        # the WRITE is still "in flight": its staging blocks stay held ...
+        assert s.producer.state("st") is TransferState.SENDING and s.pool.num_used == staging
+        # ... and meanwhile the engine serves another request, whole
+        fut2 = s.run("ok", ids[:50], list(range(100, 104)))
+        assert s.wait("ok") == "done"
+        assert fut2.result(timeout=T).num_prompt_tokens == 50
+        assert time.monotonic() - t0 < T
+        assert s.producer.state("st") is TransferState.SENDING and s.pool.num_used == staging
+        # the transfer timeout after the abort, the WRITE is given up: every block is back, the decode is told
+        t_freed = wait_for(lambda: s.pool.num_used == 0, T + 10)
+        assert T <= t_freed - t0 < T + 2.0, t_freed - t0
+        assert s.producer.num_active == 0 and s.producer.state("st") is TransferState.FAILED
+        assert "WRITEs still in flight after 4 s" in s.wait("st")
+        assert s.producer.stats().aborted_total == 1
+        assert [c[0] for c in calls] == ["st"]  # (the engine never called abort again for it)
+    finally:
+        s.close()
+
+
+@pytest.fixture()
+def stuck(loaded):
+    """A Setup with a short transfer timeout (``T_SHORT``) and a request "sw" whose layer 0 WRITE
+    never completes."""
+    s = Setup(loaded, transfer_timeout_s=T_SHORT)
+    try:
+        stuck_write(s, "sw")
+        yield s
+    finally:
+        if s.producer._started:  # (unless the test closed it)
+            s.close()
+
+
+T_SHORT = 1.5
+
+
+def test_producer_abort_returns_at_once_and_calls_back_when_the_write_is_given_up(stuck):
+    s, idle, threads = stuck, threading.Event(), []
+
+    def on_idle():
+        threads.append(threading.current_thread().name)
+        idle.set()
+
+    t0 = time.monotonic()
+    assert s.producer.abort("sw", "test abort", on_idle=on_idle)
+    assert time.monotonic() - t0 < s.producer.abort_wait_s + 0.5
+    assert not idle.is_set() and s.producer.num_active == 1  # the WRITE is still "in flight"
+    assert s.producer.abort("sw", "again")  # (a second abort: the first one's deadline stands)
+    assert idle.wait(T_SHORT + 5) and T_SHORT <= time.monotonic() - t0 < T_SHORT + 2.0
+    assert threads == ["kv-producer-push"]  # called back once, by the producer's service thread
+    assert s.producer.num_active == 0 and s.producer.state("sw") is TransferState.FAILED
+    assert "WRITEs still in flight after 1.5 s" in s.wait("sw")
+    # an unknown request: called back at once, False
+    called = []
+    assert not s.producer.abort("nobody", on_idle=lambda: called.append(1)) and called == [1]
+
+
+def test_stop_ends_an_abort_whose_write_never_completes(stuck):
+    called = []
+    stuck.producer.abort("sw", on_idle=lambda: called.append(threading.current_thread().name))
+    t0 = time.monotonic()
+    stuck.close()  # stops the engine, then the producer: it waits for the abort (at most T_SHORT)
+    assert called and time.monotonic() - t0 < T_SHORT + 2.0
+    assert stuck.producer.num_active == 0
+
+
+# ---- the setting ----
+def test_transfer_timeout_setting_defaults_to_the_lease_and_rejects_nonsense(capsys):
+    assert ServerConfig().transfer_timeout_for(EngineConfig().lease_ttl_s) == 30.0
+    assert ServerConfig().transfer_timeout_for(12.0) == 12.0  # never longer than the lease by default
+    assert ServerConfig(transfer_timeout_s=45.0).transfer_timeout_for(12.0) == 45.0  # set: as given
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="--transfer-timeout must be a positive number"):
+            ServerConfig(transfer_timeout_s=bad).validate()
+    for bad in ("0", "-5"):
+        assert main(["serve", "--transfer-mode", "local", "--transfer-timeout", bad]) == 2
+        assert "error: --transfer-timeout must be a positive number of seconds" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert "--transfer-timeout SECONDS" in capsys.readouterr().out
+
+
+def test_serve_passes_the_transfer_timeout_to_the_producer(monkeypatch):
+    from prefill_server.serving import server
+
+    monkeypatch.setenv("PREFILL_SERVER_SECRET", "test-secret-0123456789")
+    monkeypatch.setattr(server, "probe_decode", lambda url: server.ProbedDecode("m", BS))
+    ecfg = EngineConfig(dtype="float32", num_kv_blocks=8, lease_ttl_s=20.0)
+    for scfg, expected in ((ServerConfig(transfer_mode="connector", decode_url="http://x"), 20.0),
+                           (ServerConfig(transfer_mode="connector", decode_url="http://x",
+                                         transfer_timeout_s=7.5), 7.5)):
+        producer = server.build_service(ecfg, scfg).engine.producer
+        assert producer.transfer_timeout_s == expected
+        assert producer.pull.lease_ttl_s == 20.0
