@@ -11,7 +11,7 @@ fastest at the lowest density among the variants no more than 1% slower than the
 other density; the ``--finalists`` best by that rule and the baseline are also timed at the later
 lengths. cuDNN dense is timed at the start and the end of each length. Writes JSON (partial results
 survive a failure), prints a short table last.
-Variant = (mode, gp, tok, bn, num_warps, num_stages, maxnreg, ctas_per_sm, fma, kvload, rcp, rowsum).
+Variant = (mode, gp, tok, bn, num_warps, num_stages, maxnreg, ctas_per_sm, fma, kvload, rcp, fixm).
 """
 from __future__ import annotations
 
@@ -29,15 +29,15 @@ from prefill_server.bench.attention import fixed_mask, flex_block_mask, time_ms
 from prefill_server.kernels.block_sparse import SparseConfig, build_layout, plan, plan_from_mask
 from prefill_server.kernels.block_sparse import estimate, kernel, reference as ref
 
-VARIANTS = [  # (mode, gp, tok, bn, num_warps, num_stages, maxnreg, ctas_per_sm, fma, kvload, rcp, rowsum)
+VARIANTS = [  # (mode, gp, tok, bn, num_warps, num_stages, maxnreg, ctas_per_sm, fma, kvload, rcp, fixm)
     ("grid", 4, 32, 64, 8, 2, 128, 2, 1, 2, 1, 0),  # the default since call 8 (reciprocal epilogue)
-    ("grid", 4, 32, 64, 8, 2, 128, 2, 1, 2, 1, 1),  # + row sums on the tensor cores (call 9)
+    ("grid", 4, 32, 64, 8, 2, 128, 2, 1, 2, 1, 1),  # + fixed softmax reference (call 10)
 ]
-# Calls 7-8 (docs/kernels-notes.md) also timed options dropped since (code in commit 1adbf54): item
-# scalars in one round trip, diagonal tiles in the TMA loop, L2 prefetch of Q, BN=32 with 3 stages,
-# lazy rescale.
+# Calls 7-9 (docs/kernels-notes.md) also timed options dropped since (code in commits 1adbf54 and
+# 6d804b4): item scalars in one round trip, diagonal tiles in the TMA loop, L2 prefetch of Q, BN=32
+# with 3 stages, lazy rescale, row sums on the tensor cores.
 KEYS = ("mode", "gp", "tok", "bn", "num_warps", "num_stages", "maxnreg", "ctas_per_sm", "fma", "kvload", "rcp",
-        "rowsum")
+        "fixm")
 DENSITIES = (0.02, 0.05, 0.10)
 HQ, HKV, D = 32, 8, 128
 SMOKE = False  # --smoke: CPU dry run of this script (interpreter, fp16, tiny sizes, host timing)

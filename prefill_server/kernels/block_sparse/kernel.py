@@ -7,10 +7,13 @@ the block's first query: no mask), then the diagonal region with the causal mask
 base 2; writes out (q.dtype) and LSE (float32, natural log) [Tq, Hq]. Options of the grid scheme's
 off-diagonal loop: ``FMA`` (running max kept in scaled units, so ``s * scale - m`` is one FMA),
 ``KVLOAD`` (0: per-element pointers, 1: scalar tile base + invariant offsets, 2: TMA descriptors);
-of its epilogue: ``RCP`` (one reciprocal per row instead of a division per element). Measured on the
-H200 and dropped (docs/kernels-notes.md, calls 7-8; code in commit 1adbf54): item scalars in one
-round trip, the diagonal tiles in the TMA loop, an L2 prefetch of a later item's queries, BN=32
-with 3 stages, and a lazy (thresholded) rescale of the running max.
+of its epilogue: ``RCP`` (one reciprocal per row instead of a division per element); ``FIXM``: the
+diagonal tiles first, then the off-diagonal tiles against their row max held fixed (no max, no
+rescale per step), checked afterwards and redone online where a p grew past ``FIXM_LIMIT``.
+Measured on the H200 and dropped (docs/kernels-notes.md, calls 7-9; code in commits 1adbf54 and
+6d804b4): item scalars in one round trip, the diagonal tiles in the TMA loop, an L2 prefetch of a
+later item's queries, BN=32 with 3 stages, a lazy (thresholded) rescale of the running max, and the
+row sum on the tensor cores.
 
 Two launch schemes compute the same thing:
 - ``grid``: one program per item (``MERGED`` folds the diagonal tiles into the same pipelined loop);
@@ -38,8 +41,14 @@ last_compiled = None  # the last launch's compiled kernel (registers / spills fo
 # Call 5, 128K, sum over 2/5/10%: 49.5 ms vs 54.0 for fma=0,kvload=0 (the previous default). rcp=1:
 # the epilogue multiplies by 1 / l (calls 7-8, same runs, 128K 2/5/10%: -0.8/-0.8/-0.4% and
 # -1.9/-1.0/-0.2%; 256K 10%: -2.3% and -2.9%).
+# fixm: the largest p (= exp2(s - reference)) the fixed-reference loop may reach, by the dtype p is
+# rounded to for p @ v: fp16 overflows at 65504; bf16 and fp32 have fp32's range, and 2**64 leaves the
+# fp32 sums room for 2**20 keys of |v| < 2**40.
+FIXM_LIMIT = {torch.float16: 2.0 ** 15, torch.bfloat16: 2.0 ** 64, torch.float32: 2.0 ** 64}
+# fixm=1: the off-diagonal loop against the diagonal tiles' row max held fixed (call 10, same run, 128K
+# 2/5/10%: 6.12/13.41/25.85 ms vs 6.54/14.77/28.10; 256K -8 to -11%; all blocks 245 vs 275 ms).
 DEFAULTS = dict(mode="grid", bn=64, num_warps=8, num_stages=2, maxnreg=128, ctas_per_sm=2, fma=1, kvload=2,
-                rcp=1)
+                rcp=1, fixm=1)
 
 
 @triton.jit
@@ -71,10 +80,8 @@ def _item(item, n_slots, SLOT_SEQ, SLOT_QBLK, CU_Q, CU_K, G: tl.constexpr, GP: t
 
 
 @triton.jit
-def _update(q, k, v, s_ok, m_i, l_i, acc, qk_scale, MASK: tl.constexpr, FMA: tl.constexpr,
-            ROWSUM: tl.constexpr = False):
-    """One key tile. ``l_i``: [M] running row sums, or with ``ROWSUM`` [M, 8] whose every column is
-    the row sum, accumulated on the tensor cores as ``p @ 1`` (no per-step row reduction)."""
+def _update(q, k, v, s_ok, m_i, l_i, acc, qk_scale, MASK: tl.constexpr, FMA: tl.constexpr):
+    """One key tile, online softmax: the running max m_i (log2 units) moves, acc and l_i rescale."""
     s = tl.dot(q, tl.trans(k))
     if MASK:
         s = tl.where(s_ok, s, float("-inf"))
@@ -86,22 +93,27 @@ def _update(q, k, v, s_ok, m_i, l_i, acc, qk_scale, MASK: tl.constexpr, FMA: tl.
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
-    pv = p.to(v.dtype)
-    if ROWSUM:
-        l_i = tl.dot(pv, tl.full([k.shape[0], 8], 1.0, v.dtype), l_i * alpha[:, None])
-    else:
-        l_i = l_i * alpha + tl.sum(p, 1)
+    l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    acc = tl.dot(pv, v, acc)
+    acc = tl.dot(p.to(v.dtype), v, acc)
     return m_new, l_i, acc
 
 
 @triton.jit
+def _update_fixed(q, k, v, m_i, l_i, acc, qk_scale):
+    """One key tile against a FIXED reference m_i (log2 units): no row max, no rescale. Exact while
+    every exp2(s - m_i) stays finite in p's dtype; the caller checks l_i afterwards (p <= l_i)."""
+    s = tl.dot(q, tl.trans(k))
+    p = tl.exp2(s * qk_scale - m_i[:, None])
+    l_i = l_i + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return l_i, acc
+
+
+@triton.jit
 def _store(O, LSE, acc, m_i, l_i, q_start, tok, head, row_ok, stride_ot, stride_oh, stride_lt,
-           D: tl.constexpr, RCP: tl.constexpr = False, ROWSUM: tl.constexpr = False):
+           D: tl.constexpr, RCP: tl.constexpr = False):
     dd = tl.arange(0, D)
-    if ROWSUM:  # [M, 8], all columns equal
-        l_i = tl.max(l_i, 1)
     l_i = tl.where(l_i > 0.0, l_i, 1.0)  # only rows of idle items, never stored
     if RCP:  # one division per row, then a multiply per element (acc / l is a ~4-instruction
         out = acc * (1.0 / l_i)[:, None]  # full-range division per element: ~270 SASS instructions)
@@ -114,13 +126,62 @@ def _store(O, LSE, acc, m_i, l_i, q_start, tok, head, row_ok, stride_ot, stride_
 
 
 @triton.jit
+def _off_loop(q, m_i, l_i, acc, n_off, idx_row, kbase, vbase, K_DESC, V_DESC, k_start, kvh, qk_scale,
+              stride_kt, stride_vt, BS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+              DENSE: tl.constexpr, FMA: tl.constexpr, KVLOAD: tl.constexpr, WS: tl.constexpr,
+              FIXED: tl.constexpr):
+    """The listed key blocks wholly before the item's first query (no mask), BN keys a step."""
+    NSUB: tl.constexpr = BS // BN
+    cols = tl.arange(0, BN)
+    dd = tl.arange(0, D)
+    koffs = cols[:, None] * stride_kt + dd[None, :]  # KVLOAD 1: loop-invariant int32 offsets
+    voffs = cols[:, None] * stride_vt + dd[None, :]
+    for it in tl.range(0, n_off, warp_specialize=WS):
+        if DENSE:
+            kb = it // NSUB
+        else:
+            kb = tl.load(idx_row + it // NSUB)
+        row0 = kb * BS + (it % NSUB) * BN  # first key of the tile, relative to the sequence
+        if KVLOAD == 2:  # TMA: one bulk tensor copy per tile (2-D descriptors [Tk, Hkv * D])
+            k = K_DESC.load([k_start + row0, kvh * D])
+            v = V_DESC.load([k_start + row0, kvh * D])
+        elif KVLOAD == 1:  # scalar tile base + invariant offsets: one 64-bit add per pointer
+            k = tl.load(kbase + row0.to(tl.int64) * stride_kt + koffs)
+            v = tl.load(vbase + row0.to(tl.int64) * stride_vt + voffs)
+        else:
+            kt = (row0 + cols).to(tl.int64)
+            k = tl.load(kbase + kt[:, None] * stride_kt + dd[None, :])
+            v = tl.load(vbase + kt[:, None] * stride_vt + dd[None, :])
+        if FIXED:
+            l_i, acc = _update_fixed(q, k, v, m_i, l_i, acc, qk_scale)
+        else:
+            m_i, l_i, acc = _update(q, k, v, None, m_i, l_i, acc, qk_scale, False, FMA)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _diag_loop(q, m_i, l_i, acc, diag_lo, q_last, q_pos, kbase, vbase, qk_scale, stride_kt, stride_vt,
+               BS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, FMA: tl.constexpr):
+    """The diagonal region (keys from the item's first query block to its last query), masked."""
+    cols = tl.arange(0, BN)
+    dd = tl.arange(0, D)
+    for n0 in range(diag_lo * BS, q_last + 1, BN):
+        kt = n0 + cols
+        kmask = kt <= q_last
+        k = tl.load(kbase + kt.to(tl.int64)[:, None] * stride_kt + dd[None, :], mask=kmask[:, None], other=0.0)
+        v = tl.load(vbase + kt.to(tl.int64)[:, None] * stride_vt + dd[None, :], mask=kmask[:, None], other=0.0)
+        m_i, l_i, acc = _update(q, k, v, kt[None, :] <= q_pos[:, None], m_i, l_i, acc, qk_scale, True, FMA)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K, SLOT_SEQ, SLOT_QBLK, IDX, CNT, K_DESC, V_DESC, n_slots, qk_scale,
               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
               stride_lt, stride_is, stride_ih, stride_cs,
               G: tl.constexpr, GP: tl.constexpr, TOK: tl.constexpr, BS: tl.constexpr,
               BN: tl.constexpr, D: tl.constexpr, DENSE: tl.constexpr, MERGED: tl.constexpr,
               FMA: tl.constexpr, KVLOAD: tl.constexpr, WS: tl.constexpr, RCP: tl.constexpr,
-              ROWSUM: tl.constexpr = False):
+              FIXM: tl.constexpr = False, LIM: tl.constexpr = 1.0):
     NSUB: tl.constexpr = BS // BN
     M: tl.constexpr = TOK * GP
     SPLIT: tl.constexpr = BS // TOK
@@ -139,10 +200,7 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K, SLOT_SEQ, SLOT_QBLK, IDX, CNT, K_DESC
     kbase = K + k_start.to(tl.int64) * stride_kt + kvh * stride_kh
     vbase = V + k_start.to(tl.int64) * stride_vt + kvh * stride_vh
     m_i = tl.full([M], float("-inf"), tl.float32)
-    if ROWSUM:
-        l_i = tl.zeros([M, 8], tl.float32)
-    else:
-        l_i = tl.zeros([M], tl.float32)
+    l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, D], tl.float32)
     if DENSE:
         n_off = diag_lo * NSUB
@@ -164,37 +222,32 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K, SLOT_SEQ, SLOT_QBLK, IDX, CNT, K_DESC
             k = tl.load(kbase + kt.to(tl.int64)[:, None] * stride_kt + dd[None, :], mask=kmask[:, None], other=0.0)
             v = tl.load(vbase + kt.to(tl.int64)[:, None] * stride_vt + dd[None, :], mask=kmask[:, None], other=0.0)
             s_ok = kt[None, :] <= (q_pos + tl.where(is_diag, 0, BIG))[:, None]
-            m_i, l_i, acc = _update(q, k, v, s_ok, m_i, l_i, acc, qk_scale, True, FMA, ROWSUM)
+            m_i, l_i, acc = _update(q, k, v, s_ok, m_i, l_i, acc, qk_scale, True, FMA)
+    elif FIXM:
+        # The diagonal region first (every live row sees its own key there, so its max is finite), then
+        # the off-diagonal tiles against that max held FIXED: no row max, no rescale per step. Since
+        # every p <= l_i, l_i <= LIM (the largest p that p's dtype and the fp32 sums hold safely) after
+        # the loop proves that no step overflowed; otherwise (or on NaN) the item is redone online.
+        m_i, l_i, acc = _diag_loop(q, m_i, l_i, acc, diag_lo, q_last, q_pos, kbase, vbase, qk_scale,
+                                   stride_kt, stride_vt, BS, BN, D, FMA)
+        m_i, l_i, acc = _off_loop(q, m_i, l_i, acc, n_off, idx_row, kbase, vbase, K_DESC, V_DESC, k_start, kvh,
+                                  qk_scale, stride_kt, stride_vt, BS, BN, D, DENSE, FMA, KVLOAD, WS, True)
+        n_bad = tl.sum(tl.where(row_ok, tl.where(l_i <= LIM, 0, 1), 0), 0)
+        if n_bad > 0:
+            m_i = tl.full([M], float("-inf"), tl.float32)
+            l_i = tl.zeros([M], tl.float32)
+            acc = tl.zeros([M, D], tl.float32)
+            m_i, l_i, acc = _off_loop(q, m_i, l_i, acc, n_off, idx_row, kbase, vbase, K_DESC, V_DESC, k_start,
+                                      kvh, qk_scale, stride_kt, stride_vt, BS, BN, D, DENSE, FMA, KVLOAD, WS,
+                                      False)
+            m_i, l_i, acc = _diag_loop(q, m_i, l_i, acc, diag_lo, q_last, q_pos, kbase, vbase, qk_scale,
+                                       stride_kt, stride_vt, BS, BN, D, FMA)
     else:
-        koffs = cols[:, None] * stride_kt + dd[None, :]  # KVLOAD 1: loop-invariant int32 offsets
-        voffs = cols[:, None] * stride_vt + dd[None, :]
-        for it in tl.range(0, n_off, warp_specialize=WS):
-            if DENSE:
-                kb = it // NSUB
-            else:
-                kb = tl.load(idx_row + it // NSUB)
-            row0 = kb * BS + (it % NSUB) * BN  # first key of the tile, relative to the sequence
-            if KVLOAD == 2:  # TMA: one bulk tensor copy per tile (2-D descriptors [Tk, Hkv * D])
-                k = K_DESC.load([k_start + row0, kvh * D])
-                v = V_DESC.load([k_start + row0, kvh * D])
-            elif KVLOAD == 1:  # scalar tile base + invariant offsets: one 64-bit add per pointer
-                k = tl.load(kbase + row0.to(tl.int64) * stride_kt + koffs)
-                v = tl.load(vbase + row0.to(tl.int64) * stride_vt + voffs)
-            else:
-                kt = (row0 + cols).to(tl.int64)
-                k = tl.load(kbase + kt[:, None] * stride_kt + dd[None, :])
-                v = tl.load(vbase + kt[:, None] * stride_vt + dd[None, :])
-            m_i, l_i, acc = _update(q, k, v, None, m_i, l_i, acc, qk_scale, False, FMA, ROWSUM)
-        if ROWSUM:  # [M, 8] -> [M]: all columns hold the same sum; the few diagonal tiles reduce per step
-            l_i = tl.max(l_i, 1)
-        for n0 in range(diag_lo * BS, q_last + 1, BN):
-            kt = n0 + cols
-            kmask = kt <= q_last
-            k = tl.load(kbase + kt.to(tl.int64)[:, None] * stride_kt + dd[None, :], mask=kmask[:, None], other=0.0)
-            v = tl.load(vbase + kt.to(tl.int64)[:, None] * stride_vt + dd[None, :], mask=kmask[:, None], other=0.0)
-            m_i, l_i, acc = _update(q, k, v, kt[None, :] <= q_pos[:, None], m_i, l_i, acc, qk_scale, True, FMA)
-    _store(O, LSE, acc, m_i, l_i, q_start, tok, head, row_ok, stride_ot, stride_oh, stride_lt, D, RCP,
-           ROWSUM and MERGED)
+        m_i, l_i, acc = _off_loop(q, m_i, l_i, acc, n_off, idx_row, kbase, vbase, K_DESC, V_DESC, k_start, kvh,
+                                  qk_scale, stride_kt, stride_vt, BS, BN, D, DENSE, FMA, KVLOAD, WS, False)
+        m_i, l_i, acc = _diag_loop(q, m_i, l_i, acc, diag_lo, q_last, q_pos, kbase, vbase, qk_scale,
+                                   stride_kt, stride_vt, BS, BN, D, FMA)
+    _store(O, LSE, acc, m_i, l_i, q_start, tok, head, row_ok, stride_ot, stride_oh, stride_lt, D, RCP)
 
 
 @triton.jit
@@ -317,7 +370,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, idx: to
               num_warps: int | None = None, num_stages: int | None = None, mode: str | None = None,
               maxnreg: int | None = None, ctas_per_sm: int | None = None, nprog: int | None = None,
               fma: bool | None = None, kvload: int | None = None, ws: bool | None = None,
-              rcp: bool | None = None, rowsum: bool | None = None, sched_cache: dict | None = None, sched=None,
+              rcp: bool | None = None, fixm: bool | None = None, sched_cache: dict | None = None, sched=None,
               out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
     """Launch the kernel. ``idx`` int32 [n_slots, Hkv, cap] / ``cnt`` int32 [n_slots, Hkv] come from
     ``estimate.select_blocks`` or ``api.mask_to_indices``; ``dense=True`` ignores them and visits
@@ -340,7 +393,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, idx: to
     kvload = int(dflt.get("kvload", 0) if kvload is None else kvload)
     ws = bool(dflt.get("ws", 0) if ws is None else ws)
     rcp = bool(dflt.get("rcp", 0) if rcp is None else rcp)
-    rowsum = bool(dflt.get("rowsum", 0) if rowsum is None else rowsum)
+    fixm = bool(dflt.get("fixm", 0) if fixm is None else fixm)
     dgp, dtok = default_tiling(g, bs)
     if gp is None and dflt.get("gp") and g % dflt["gp"] == 0 and bs % dflt.get("tok", bs) == 0:
         gp, tok = dflt["gp"], tok or dflt.get("tok")
@@ -397,5 +450,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, idx: to
             q, k, v, out, lse, layout.cu_q, layout.cu_k, layout.slot_seq, layout.slot_qblk, idx, cnt2,
             kd, vd, layout.n_slots, scale * LOG2E, *strides,
             G=g, GP=gp, TOK=tok, BS=bs, BN=bn, D=d, DENSE=dense, MERGED=(mode == "merged"),
-            FMA=fma, KVLOAD=kvload, WS=ws, RCP=rcp, ROWSUM=rowsum, **kw)
+            FMA=fma, KVLOAD=kvload, WS=ws, RCP=rcp, FIXM=fixm, LIM=FIXM_LIMIT[q.dtype], **kw)
     return out, lse
