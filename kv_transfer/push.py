@@ -31,6 +31,14 @@ thread, which ends the request once they are done, or gives them up ``transfer_t
 the abort, and calls ``on_idle`` then. A decode that dies with a WRITE in flight thus never stalls
 the engine that aborts the request.
 
+Nothing waits on a request that is going away: ``wait_layer`` and ``finish`` raise at once when
+the request was aborted, cancelled by its decode or failed, or when the caller's ``stop()`` says so
+(the engine's abort of a forward waiting on a WRITE), leaving any WRITE still in flight to
+``abort``'s ``on_idle``; a raising ``finish`` or ``wait_layer`` thus means "call ``abort`` and free
+the staging pages in its ``on_idle``", never "free them now". A decode's Cancel is acknowledged
+by the service thread once the request's WRITEs are over, without waiting on that thread: it goes
+on serving other decodes meanwhile.
+
 Pull fallback: a Register with ``transfer_mode="pull"`` makes the request an ordinary prefill
 (``wants_pull``); the engine then hands its blocks to ``publish`` and ``kv_transfer.pull.PullLeases``
 (sharing this side channel and NIXL agent) leases them until the decode has READ them.
@@ -91,6 +99,7 @@ class _Push:
     abort_reason: str = ""  # aborted: ends (ABORTED) once no WRITE is in flight (see PushProducer.abort)
     aborted_at: float = 0.0
     on_idle: list[Callable[[], None]] = field(default_factory=list)  # abort's callbacks, run once it ends
+    cancel_acks: list[tuple[bytes, bytes]] = field(default_factory=list)  # (identity, nonce): Acks owed (no WRITE in flight)
 
 
 class PushProducer:
@@ -127,6 +136,7 @@ class PushProducer:
         self._reqs: dict[str, _Push] = {}
         self._finished: OrderedDict[str, TransferState] = OrderedDict()
         self._due: list[Callable[[], None]] = []  # ended requests' on_idle callbacks, not run yet
+        self._acks_due: list[tuple[bytes, wire.Ack]] = []  # Cancel Acks now due (the service thread sends them)
         self._keep_finished = keep_finished
         self._remotes: dict[str, bytes] = {}  # agent name -> metadata we loaded
         self._replay = wire.ReplayGuard()
@@ -356,15 +366,17 @@ class PushProducer:
         dst[:, 0] += np.uint64(reg.layer_addrs[layer])
         return cached[1], dst
 
-    def _wait_posted(self, request_id: str, pending, timeout_s: float | None = None) -> None:
+    def _wait_posted(self, request_id: str, pending, timeout_s: float | None = None,
+                     stop: Callable[[], bool] | None = None) -> None:
         """Block until ``pending(p)`` is false: the poster has handled those layers. A request gone
-        meanwhile returns at once; past the timeout the request fails (nothing more is posted)."""
+        or going away meanwhile returns at once (``_wait`` raises then); past the timeout the
+        request fails (nothing more is posted)."""
         limit = timeout_s or self.transfer_timeout_s
         deadline = time.monotonic() + limit
         with self._lock:
             while True:
                 p = self._reqs.get(request_id)
-                if p is None or not pending(p):
+                if p is None or not pending(p) or p.closing or p.state.is_terminal or (stop and stop()):
                     return
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -373,7 +385,7 @@ class PushProducer:
                     self._fail(p, f"layers {sorted(p.unposted)} not posted within {limit:.0f} s "
                                   "(their K/V never became ready?)", keep=True)
                     return
-                self._posted_cv.wait(left)
+                self._posted_cv.wait(min(left, 0.05) if stop else left)
 
     def _drop_jobs(self, p: _Push) -> None:
         """(lock held) Remove the request's queued layers (the one being posted, if any, stays:
@@ -385,17 +397,21 @@ class PushProducer:
         self._jobs = kept
         self._posted_cv.notify_all()
 
-    def wait_layer(self, request_id: str, layer: int) -> None:
+    def wait_layer(self, request_id: str, layer: int, stop: Callable[[], bool] | None = None) -> None:
         """Block until layer ``layer`` is posted and its WRITE is done (staging slot reuse).
-        Raises on failure."""
-        self._wait_posted(request_id, lambda p: layer in p.unposted)
-        self._wait(request_id, lambda p: [layer] if layer in p.handles else [])
+        Raises at once (TransferError / RequestCancelled) if the request fails, is aborted or
+        cancelled, or ``stop()`` turns true meanwhile: then ``abort`` it (a WRITE may still be in
+        flight; its ``on_idle`` says when the staging pages are free)."""
+        self._wait_posted(request_id, lambda p: layer in p.unposted, stop=stop)
+        self._wait(request_id, lambda p: [layer] if layer in p.handles else [], stop=stop)
 
-    def finish(self, request_id: str, timeout_s: float | None = None) -> dict[str, Any]:
-        """Wait for every WRITE of the request; RELEASED. Raises TransferError / RequestCancelled
-        if the transfer failed or was aborted (no WRITE is in flight when it raises)."""
-        self._wait_posted(request_id, lambda p: bool(p.unposted), timeout_s)
-        self._wait(request_id, lambda p: list(p.handles), timeout_s)
+    def finish(self, request_id: str, timeout_s: float | None = None,
+               stop: Callable[[], bool] | None = None) -> dict[str, Any]:
+        """Wait for every WRITE of the request; RELEASED (no WRITE in flight). Raises
+        TransferError / RequestCancelled at once if the transfer failed, was aborted or cancelled,
+        or ``stop()`` turns true: then ``abort`` it and free the staging pages in its ``on_idle``."""
+        self._wait_posted(request_id, lambda p: bool(p.unposted), timeout_s, stop=stop)
+        self._wait(request_id, lambda p: list(p.handles), timeout_s, stop=stop)
         with self._lock:
             p = self._reqs.get(request_id)
             if p is None:
@@ -431,7 +447,7 @@ class PushProducer:
                 p.closing = True
                 self._drop_jobs(p)
                 if not p.abort_reason:
-                    p.abort_reason, p.aborted_at = reason or "aborted", time.monotonic()
+                    p.abort_reason, p.aborted_at = reason or "aborted", p.aborted_at or time.monotonic()
                     self._stats.add(aborted_total=1)
                 if on_idle is not None:
                     p.on_idle.append(on_idle)
@@ -469,7 +485,11 @@ class PushProducer:
             return len(self._reqs) + len(self.pull)
 
     # ---- internals ----
-    def _wait(self, request_id: str, which, timeout_s: float | None = None, raise_errors: bool = True) -> None:
+    def _wait(self, request_id: str, which, timeout_s: float | None = None,
+              stop: Callable[[], bool] | None = None) -> None:
+        """Wait until none of the WRITEs ``which(p)`` names is in flight. Raises at once, without
+        waiting for them, when the request failed, is going away or ``stop()`` holds (its abort
+        waits for them); past the timeout they are given up and the request fails."""
         limit = timeout_s or self.transfer_timeout_s
         deadline = time.monotonic() + limit
         delay = 0.0002
@@ -477,19 +497,17 @@ class PushProducer:
             with self._lock:
                 p = self._reqs.get(request_id)
                 if p is None:
-                    if raise_errors:
-                        raise RequestCancelled(f"request {request_id} was aborted")
-                    return
+                    raise RequestCancelled(f"request {request_id} was aborted")
                 self._poll_handles(p, which(p))
+                if p.state.is_terminal and p.state is not TransferState.RELEASED:
+                    raise TransferError(p.error or f"transfer {p.state.value}")
+                if p.closing or (stop is not None and stop()):
+                    raise RequestCancelled(f"request {request_id} was aborted")
                 if not [layer for layer in which(p) if layer in p.handles]:
-                    if raise_errors and p.state.is_terminal and p.state is not TransferState.RELEASED:
-                        raise TransferError(p.error or f"transfer {p.state.value}")
                     return
                 if time.monotonic() >= deadline:
                     self._give_up(p, limit)
-                    if raise_errors:
-                        raise TransferError(p.error)
-                    return
+                    raise TransferError(p.error)
             time.sleep(delay)
             delay = min(delay * 2, 0.005)
 
@@ -526,15 +544,35 @@ class PushProducer:
             return False
         if p.handles:
             self._give_up(p, self.transfer_timeout_s)
-        self._fail(p, p.abort_reason, TransferState.ABORTED)  # (no handle left: the entry ends)
+        self._fail(p, p.abort_reason or p.error or "cancelled", TransferState.ABORTED)  # (no handle left: it ends)
         return True
 
     def _reap(self) -> None:
         """(lock held; the service thread) ``_try_end`` the aborted requests whose ``abort`` has
-        stopped waiting (``abort_wait_s``): their WRITEs were still in flight then."""
+        stopped waiting (``abort_wait_s``): their WRITEs were still in flight then; and the ones
+        a decode cancelled, whose Ack waits for their WRITEs."""
         now = time.monotonic()
+        for p in [q for q in self._reqs.values() if q.cancel_acks]:
+            self._release_acks(p)
         for p in [q for q in self._reqs.values() if q.abort_reason and now >= q.aborted_at + self.abort_wait_s]:
             self._try_end(p)
+
+    def _release_acks(self, p: _Push) -> None:
+        """(lock held) A cancelled request: once none of its WRITEs is in flight (given up
+        ``transfer_timeout_s`` after the Cancel), its Acks are due (the service thread sends them).
+        The entry stays, ABORTED, for the engine to see (its finish/abort ends it)."""
+        self._poll_handles(p, list(p.handles))
+        if p.handles and time.monotonic() < p.aborted_at + self.transfer_timeout_s:
+            return
+        if p.handles:
+            self._give_up(p, self.transfer_timeout_s)
+        self._owe_acks(p)
+
+    def _owe_acks(self, p: _Push) -> None:
+        """(lock held) ``p``'s Cancel Acks are due now."""
+        self._acks_due += [(identity, wire.Ack(version=wire.PROTOCOL_VERSION, request_id=p.request_id,
+                                               accepted=True, nonce=nonce)) for identity, nonce in p.cancel_acks]
+        p.cancel_acks = []
 
     def _take_due(self) -> list[Callable[[], None]]:
         """(lock held) The due ``on_idle`` callbacks, for the caller to run once it has let go of the lock."""
@@ -571,6 +609,7 @@ class PushProducer:
         self._reqs.pop(p.request_id, None)
         self._due += p.on_idle  # (an abort's callbacks, however the entry ends)
         p.on_idle = []
+        self._owe_acks(p)  # (a Cancel's; however the entry ends)
         self._ended(p.request_id, state)
 
     def _ended(self, request_id: str, state: TransferState) -> None:
@@ -603,6 +642,9 @@ class PushProducer:
                         self._progress_writes()
                         self._reap()  # aborted requests whose WRITEs are over (or given up)
                         due = self._take_due()
+                    acks, self._acks_due = self._acks_due, []
+                for identity, ack in acks:  # Cancels whose WRITEs are over
+                    self._reply(identity, ack)
             except Exception:  # noqa: BLE001 - one bad message never stops the service
                 log.exception("push side channel error")
                 self._stop.wait(0.05)
@@ -663,24 +705,32 @@ class PushProducer:
         self._sock.send_multipart((identity, b"", wire.encode(wire.sign(self.secret, offer))))
 
     def _cancel(self, identity: bytes, msg: wire.Cancel) -> None:
-        # Called on the service thread: mark it so layer_done posts nothing more, then wait for
-        # the in-flight WRITEs (bounded by transfer_timeout_s) before acknowledging.
+        """(the service thread) The decode gives the request up: nothing more is posted, the
+        request is ABORTED, and the Ack is sent once none of its WRITEs is in flight (given up
+        ``transfer_timeout_s`` after the Cancel): at once in the usual case; meanwhile this thread
+        goes on serving (``_reap`` sends it). The engine's forward stops at its next
+        ``wait_layer``/``finish``, which raise; its abort ends the entry."""
         with self._lock:
             if self.pull.cancel(msg.request_id):  # leased: the decode has no READ in flight
-                return self._reply(identity, wire.Ack(version=wire.PROTOCOL_VERSION, request_id=msg.request_id,
-                                                      accepted=True, nonce=msg.nonce))
-            p = self._reqs.get(msg.request_id)
-            if p is not None:
+                p = None
+            elif (p := self._reqs.get(msg.request_id)) is not None:
                 p.closing = True
                 self._drop_jobs(p)
-            if p is not None and not p.state.is_terminal:
-                p.error = "cancelled by the decode"
-                p.state = TransferState.ABORTED
-                p.ready.set()
-        if p is not None:
-            self._wait(msg.request_id, lambda q: list(q.handles), raise_errors=False)
-        self._reply(identity, wire.Ack(version=wire.PROTOCOL_VERSION, request_id=msg.request_id,
-                                       accepted=True, nonce=msg.nonce))
+                if not p.state.is_terminal:
+                    p.error = "cancelled by the decode"
+                    p.state = TransferState.ABORTED
+                    p.ready.set()
+                p.aborted_at = p.aborted_at or time.monotonic()  # (the give-up deadline counts from here)
+                p.cancel_acks.append((identity, msg.nonce))
+                self._release_acks(p)
+                acks, self._acks_due = self._acks_due, []
+                due = self._take_due()
+        if p is None:
+            return self._reply(identity, wire.Ack(version=wire.PROTOCOL_VERSION, request_id=msg.request_id,
+                                                  accepted=True, nonce=msg.nonce))
+        for ident, ack in acks:
+            self._reply(ident, ack)
+        self._run_callbacks(due)
 
     def _register(self, identity: bytes, reg: wire.Register) -> None:
         def refuse(error: str) -> None:

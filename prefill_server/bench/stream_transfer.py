@@ -49,9 +49,9 @@ class NullPush:
         if ready_event is not None:
             ready_event.synchronize()
 
-    def wait_layer(self, request_id, layer) -> None: ...
+    def wait_layer(self, request_id, layer, stop=None) -> None: ...
 
-    def finish(self, request_id, timeout_s=None) -> dict:
+    def finish(self, request_id, timeout_s=None, stop=None) -> dict:
         self._live.discard(request_id)
         return {}
 
@@ -103,12 +103,12 @@ class CopyPush(NullPush):
             ev.record(self.stream)
         self._done[layer] = ev
 
-    def wait_layer(self, request_id, layer) -> None:
+    def wait_layer(self, request_id, layer, stop=None) -> None:
         ev = self._done.pop(layer, None)
         if ev is not None:
             ev.synchronize()
 
-    def finish(self, request_id, timeout_s=None) -> dict:
+    def finish(self, request_id, timeout_s=None, stop=None) -> dict:
         for layer in list(self._done):
             self.wait_layer(request_id, layer)
         self._idx.clear()

@@ -23,10 +23,11 @@ no WRITE reads them any more (at once in the usual case; a WRITE still in flight
 holds them until it is done or the producer's transfer timeout gives it up, while the engine
 goes on serving). ``producer.abort`` is never called with the engine lock held. An abort while
 the forward runs stops it at the next layer (the runner checks ``Sequence.abort_requested``),
-not at the end of the prompt. If the decode registered asking for
-the pull fallback (``producer.wants_pull``), the request runs like a pull-mode one (whole prompt in
-the pool, chunked) and ``producer.publish`` leases its blocks to the decode, which READs them
-(``kv_transfer.pull``).
+not at the end of the prompt, and one while the forward or ``finish`` waits for a WRITE stops
+that wait at once (``stop=``): a WRITE stuck on a dead decode never holds up the loop. If the
+decode registered asking for the pull fallback (``producer.wants_pull``), the request runs like a
+pull-mode one (whole prompt in the pool, chunked) and ``producer.publish`` leases its blocks to the
+decode, which READs them (``kv_transfer.pull``).
 
 The engine never frees leased blocks itself; the producer never frees running blocks. A failed step
 fails only the requests in that step and the loop keeps serving.
@@ -74,6 +75,7 @@ class Engine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._aborts: set[str] = set()
+        self._finishing: dict[str, Sequence] = {}  # push requests computed, in producer.finish
         self._expired_seen = 0
 
     # ---- lifecycle ----
@@ -145,6 +147,9 @@ class Engine:
                 seq.abort_requested = True  # and a streamed forward stops at its next layer
                 self._wake.notify_all()
                 return True
+            if (seq := self._finishing.get(request_id)) is not None:
+                seq.abort_requested = True  # its finish stops waiting; _finish aborts the push
+                return True
         return bool(self.producer.abort(request_id))
 
     # ---- the loop ----
@@ -190,16 +195,21 @@ class Engine:
             return
         with self._wake:
             done = self.scheduler.advance(chunks)
+            self._finishing.update((s.request_id, s) for s in done if s.push)
         for i, seq in enumerate(done):
-            self._finish(seq, logits[i])
+            try:
+                self._finish(seq, logits[i])
+            finally:
+                with self._wake:
+                    self._finishing.pop(seq.request_id, None)
         self.refresh_metrics()
 
     def _finish(self, seq: Sequence, logits: torch.Tensor) -> None:
         req = seq.request
         try:
             token = sample_first_token(logits, req.sampling)
-            if seq.push:
-                self.producer.finish(req.request_id)  # every layer's WRITE is done
+            if seq.push:  # every layer's WRITE done; an abort meanwhile stops the wait at once
+                self.producer.finish(req.request_id, stop=lambda: seq.abort_requested)
                 blocks, seq.block_ids = seq.block_ids, []
                 self.pool.free(blocks)  # staging only; the KV is in the decode's blocks now
                 params = seq.params

@@ -42,12 +42,16 @@ class _Stream:
                             for p in self.pages]
         self.offsets = (pos % pool.block_size).to(pool.device)
 
+    def _aborted(self) -> bool:
+        return self.seq.abort_requested
+
     def write(self, pool: KVPool, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         if self.seq.abort_requested:
             raise RequestCancelled(f"request {self.request_id} was aborted (at layer {layer})")
         slot = layer % self.slots
         if layer >= self.slots:
-            self.producer.wait_layer(self.request_id, layer - self.slots)  # slot's previous WRITE
+            # the slot's previous WRITE; an abort meanwhile stops the wait at once (Engine.abort)
+            self.producer.wait_layer(self.request_id, layer - self.slots, stop=self._aborted)
         pool.write_flat(self.token_pages[slot], self.offsets, k, v)
         event = None
         if k.is_cuda:

@@ -17,7 +17,7 @@ from kv_transfer import wire
 from kv_transfer.base import TransferState
 from prefill_server.cli import main
 from prefill_server.config import EngineConfig, ServerConfig
-from prefill_server.errors import RequestCancelled
+from prefill_server.errors import RequestCancelled, TransferError
 from test_push import BS, Setup, _registered, hold_at_layer, loaded  # noqa: F401 - (loaded: a fixture)
 
 
@@ -186,3 +186,99 @@ def test_serve_passes_the_transfer_timeout_to_the_producer(monkeypatch):
         producer = server.build_service(ecfg, scfg).engine.producer
         assert producer.transfer_timeout_s == expected
         assert producer.pull.lease_ttl_s == 20.0
+
+
+# ---- nothing waits on a request that is going away ----
+def entered(producer, name: str, when) -> threading.Event:
+    """An event set once ``producer.<name>`` is called with positional arguments ``when`` accepts."""
+    ev, orig = threading.Event(), getattr(producer, name)
+
+    def wrapped(*args, **kwargs):
+        if when(*args):
+            ev.set()
+        return orig(*args, **kwargs)
+
+    setattr(producer, name, wrapped)
+    return ev
+
+
+@pytest.mark.parametrize("where,how", [("wait_layer", "engine abort"), ("finish", "engine abort"),
+                                       ("wait_layer", "decode cancel")])
+def test_a_forward_waiting_on_a_write_that_never_completes_stops_at_once(loaded, where, how):
+    """The forward waits for a WRITE that never completes, in ``wait_layer`` (a staging slot's
+    previous layer) or in ``finish`` (the last layer); the request is aborted (the gateway) or
+    its decode cancels it. The wait stops at once, not at the transfer timeout: the request
+    fails, the engine serves another one meanwhile, and the staging blocks come back once the
+    transfer timeout gives the WRITE up. (Before: the engine's loop sat in the wait for the
+    whole transfer timeout.)"""
+    T = 5.0
+    s = Setup(loaded, transfer_timeout_s=T)
+    try:
+        L = loaded.config.num_layers
+        ids = loaded.tokenizer.encode("This WRITE never completes. " * 40)
+        posted = stick_writes(s.producer, "sw", 0 if where == "wait_layer" else L - 1)
+        waiting = entered(s.producer, where, lambda rid, *a: rid == "sw" and (where == "finish" or a[0] == 0))
+        fut = s.run("sw", ids, list(range(-(-len(ids) // BS))))
+        assert posted.wait(120) and waiting.wait(120), "the forward never waited on the stuck WRITE"
+        time.sleep(0.3)
+        assert not fut.done()  # it waits
+        staging = s.pool.num_used
+        assert staging == s.pool.stream_blocks_needed(len(ids), 2)
+        t0 = time.monotonic()
+        if how == "engine abort":
+            assert s.engine.abort("sw")
+            with pytest.raises(RequestCancelled, match="sw was aborted"):
+                fut.result(timeout=T)
+        else:
+            s.receiver.cancel(s.producer.host, s.producer.port, "sw")
+            with pytest.raises(TransferError, match="cancelled by the decode"):
+                fut.result(timeout=T)
+        t_failed = time.monotonic() - t0
+        assert t_failed < 1.5, t_failed  # the producer's abort_wait_s (0.25 s) at most, plus the poll
+        # the WRITE is still "in flight": its staging blocks stay held, and the engine serves on
+        assert s.pool.num_used == staging
+        fut2 = s.run("ok", ids[:50], list(range(100, 104)))
+        assert s.wait("ok") == "done"
+        assert fut2.result(timeout=T).num_prompt_tokens == 50
+        assert time.monotonic() - t0 < T and s.pool.num_used == staging
+        # the transfer timeout after the abort/Cancel, the WRITE is given up: every block is back
+        t_freed = wait_for(lambda: s.pool.num_used == 0, T + 10)
+        assert T <= t_freed - t0 < T + 2.0, t_freed - t0
+        assert s.producer.num_active == 0
+        if how == "engine abort":
+            assert s.producer.state("sw") is TransferState.FAILED
+            if where == "wait_layer":  # (in "finish", every layer's WRITE did land: the decode had them all)
+                assert "WRITEs still in flight after 5 s" in s.wait("sw")
+        else:  # the decode's Cancel is acknowledged once the WRITE is given up
+            assert wait_for(lambda: "sw" in s.receiver.poll().cancelled, 5) - t0 >= T
+            assert s.producer.state("sw") is TransferState.ABORTED
+    finally:
+        s.close()
+
+
+def test_a_decode_cancel_waits_for_its_write_without_stalling_the_side_channel(loaded):
+    """A decode cancels a request whose WRITE never completes: the Cancel is acknowledged only
+    once the WRITE is over (given up at the transfer timeout), so the decode cannot reuse its
+    blocks under a WRITE; meanwhile the side channel answers other decodes at once. (Before: the
+    service thread waited in the Cancel for the whole transfer timeout.)"""
+    T = 5.0
+    s = Setup(loaded, transfer_timeout_s=T)
+    try:
+        stuck_write(s, "sw")
+        t0 = time.monotonic()
+        s.receiver.cancel(s.producer.host, s.producer.port, "sw")
+        time.sleep(0.2)  # (the Cancel is in)
+        _registered(s, "other")  # another decode's Register is answered meanwhile
+        assert time.monotonic() - t0 < 2.0
+        assert "sw" not in s.receiver.poll().cancelled  # not acknowledged: the WRITE is in flight
+        assert s.producer.state("sw") is TransferState.ABORTED
+        t_ack = wait_for(lambda: "sw" in s.receiver.poll().cancelled, T + 5)
+        assert T <= t_ack - t0 < T + 2.0, t_ack - t0
+        assert s.producer.state("sw") is TransferState.ABORTED
+        # a Cancel with nothing in flight is acknowledged at once
+        t1 = time.monotonic()
+        s.receiver.cancel(s.producer.host, s.producer.port, "other")
+        wait_for(lambda: "other" in s.receiver.poll().cancelled, 5)
+        assert time.monotonic() - t1 < 2.0 and s.producer.state("other") is TransferState.ABORTED
+    finally:
+        s.close()
