@@ -100,8 +100,9 @@ class Engine:
         if n > self.max_model_len:
             raise PromptTooLong(f"the prompt has {n} tokens, more than the model's context of "
                                 f"{self.max_model_len}: shorten it", field="prompt")
-        bad = [t for t in req.prompt_token_ids if not (0 <= t < self.vocab_size)]
-        if bad:
+        ids = req.prompt_token_ids
+        if min(ids) < 0 or max(ids) >= self.vocab_size:  # (C-speed; the list only when one is bad)
+            bad = [t for t in ids if not (0 <= t < self.vocab_size)]
             raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
                                  field="prompt")
         req.sampling.validate()

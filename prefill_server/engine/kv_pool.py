@@ -95,9 +95,13 @@ class KVPool:
     # ---- page I/O ----
     def slot_mapping(self, block_ids: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(block index, offset) per token position in [start, end) of a request owning block_ids."""
-        pos = torch.arange(start, end)
-        blocks = torch.tensor(block_ids, dtype=torch.long)[pos // self.block_size]
-        return blocks.to(self.device), (pos % self.block_size).to(self.device)
+        # on the pool's device (host-side it took 2-7 ms per 8-32K step on a 2-core CPU; no TTFT change on the H200)
+        need = -(-end // self.block_size)
+        if len(block_ids) < need:  # (checked here: out of range on the GPU is a device-side assert)
+            raise ValueError(f"{len(block_ids)} blocks hold fewer than the {end} tokens asked for")
+        pos = torch.arange(start, end, device=self.device)
+        table = torch.tensor(block_ids[:need], dtype=torch.long).to(self.device)
+        return table[pos // self.block_size], pos % self.block_size
 
     def write(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor) -> None:

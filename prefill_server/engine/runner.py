@@ -113,13 +113,13 @@ class ModelRunner:
         for c in chunks:
             n = c.end - c.start
             ids.extend(c.seq.request.prompt_token_ids[c.start:c.end])
-            pos.append(torch.arange(c.start, c.end))
+            pos.append(torch.arange(c.start, c.end, device=self.device))
             slices.append(_SeqSlice(t, t + n, c.start, c.end, c.seq.block_ids))
             t += n
             if c.is_last:
                 last_rows.append(t - 1)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        positions = torch.cat(pos).to(self.device)
+        positions = torch.cat(pos)
         stream = None
         if len(chunks) == 1 and chunks[0].seq.push:
             c = chunks[0]

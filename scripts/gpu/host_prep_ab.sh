@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device call: dense TTFT at 8K/32K, the committed tree (.ab_base = `git archive HEAD prefill_server
+# kv_transfer`) vs the working tree, alternating A B A B in one call (the power state drifts), then
+# the working tree once more with the floor (TTFT / floor) and a profile of one 8K prefill.
+set -o pipefail
+export PYTHONUNBUFFERED=1
+out=${OUT:-.devout}; mkdir -p "$out"; out=$(cd "$out" && pwd)
+nvidia-smi --query-gpu=name,clocks.sm,power.draw,memory.used --format=csv,noheader
+args=(--lengths 8192,32768 --skip-floor --check-len 0 --throughput "" --reps 5)
+for round in 1 2; do
+  (cd .ab_base && PYTHONPATH=$PWD timeout 150 python3 -m prefill_server.bench.e2e "${args[@]}" \
+     --out "$out/base_$round.json" 2>&1 | tail -4)
+  PYTHONPATH=$PWD timeout 150 python3 -m prefill_server.bench.e2e "${args[@]}" --out "$out/new_$round.json" 2>&1 | tail -4
+done
+PYTHONPATH=$PWD timeout 240 python3 -m prefill_server.bench.e2e --lengths 8192,32768,131072 --check-len 4096 \
+  --throughput "" --reps 3 --profile-len 8192 --out "$out/new_floor.json" 2>&1 | tail -12
+python3 - "$out" <<'PY'
+import json, sys, glob, os
+for f in sorted(glob.glob(sys.argv[1] + "/*.json")):
+    d = json.load(open(f))
+    print(os.path.basename(f), [(r["tokens"], round(r["ttft_s"], 4), [round(x, 4) for x in r["reps_s"]],
+                                 round(r.get("ratio", 0), 4)) for r in d.get("ttft", [])])
+    if "profile" in d:
+        p = d["profile"]
+        print("  profile 8K: wall %.1f ms, GPU busy %.1f ms" % (p["wall_ms_with_profiler"], p["gpu_busy_ms"]), p["by_category_ms"])
+PY
