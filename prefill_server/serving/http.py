@@ -8,11 +8,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 import uuid
+from itertools import compress, repeat
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from prefill_server.engine.types import PrefillResult, SamplingParams
 from prefill_server.errors import InvalidRequest, PrefillError, Unauthenticated
@@ -28,6 +31,64 @@ def _error(status: int, message: str, etype: str, param: str | None = None) -> J
                         status_code=status)
 
 
+class UnsupportedMediaType(InvalidRequest):
+    http_status = 415
+
+
+_JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+               type(None): "null"}
+MAX_JSON_DEPTH = 128  # far more than any OpenAI body needs, far from Python's recursion limit
+_TEXT_OR_NESTED = {str, list, dict}.__contains__
+
+
+def _parse_json(raw: bytes) -> dict:
+    """The body as a JSON object, refusing what Python's json accepts but JSON does not (NaN,
+    Infinity, numbers out of a double's range, unpaired UTF-16 surrogates) and deep nesting: the
+    body is forwarded to the decode, and these would fail there, in the tokenizer or in our parser."""
+    try:
+        body = json.loads(raw, parse_constant=_non_finite, parse_float=_finite_float)
+    except RecursionError:
+        raise _too_deep() from None
+    except InvalidRequest:
+        raise
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InvalidRequest(f"the body is not valid JSON ({e}); send a JSON object") from None
+    except ValueError:  # an integer of more digits than Python converts (sys.get_int_max_str_digits())
+        raise InvalidRequest("the body holds an integer too long to parse; send smaller numbers") from None
+    stack = [(body, 0)]
+    while stack:  # every string and container, iteratively; numbers are skipped at C speed
+        x, depth = stack.pop()
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise InvalidRequest(f"the body holds an unpaired UTF-16 surrogate ({x[e.start]!a}); send "
+                                     "valid Unicode text") from None
+        elif isinstance(x, (list, dict)):
+            if depth == MAX_JSON_DEPTH:
+                raise _too_deep()
+            items = x if isinstance(x, list) else [*x, *x.values()]
+            stack.extend(zip(compress(items, map(_TEXT_OR_NESTED, map(type, items))), repeat(depth + 1)))
+    if not isinstance(body, dict):
+        raise InvalidRequest(f"the request body must be a JSON object, not {_JSON_TYPES[type(body)]}")
+    return body
+
+
+def _too_deep() -> InvalidRequest:
+    return InvalidRequest(f"the body is nested more than {MAX_JSON_DEPTH} levels deep; send a flatter JSON object")
+
+
+def _non_finite(name: str):
+    raise InvalidRequest(f"the body is not valid JSON: {name} is not a JSON number; send a finite number")
+
+
+def _finite_float(text: str) -> float:
+    x = float(text)
+    if not math.isfinite(x):
+        raise InvalidRequest(f"the number {text[:40]} is out of the range of a double; send a smaller number")
+    return x
+
+
 def create_app(service: PrefillService, decode: DecodeClient | None, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="prefill-server", docs_url=None, redoc_url=None)
     metrics = service.engine.metrics
@@ -35,6 +96,19 @@ def create_app(service: PrefillService, decode: DecodeClient | None, api_key: st
     @app.exception_handler(PrefillError)
     async def _prefill_error(_req: Request, e: PrefillError):
         return _error(e.http_status, e.message, type(e).__name__, e.field)
+
+    @app.exception_handler(HTTPException)  # no such path, or a wrong method: OpenAI-shaped too
+    async def _http_error(req: Request, e: HTTPException):
+        headers = e.headers or {}
+        message = f"{e.detail}: {req.method} {req.url.path}"
+        if e.status_code == 404:
+            message += ("; this server serves POST /v1/completions, POST /v1/chat/completions, "
+                        "GET /v1/models, GET /health and GET /metrics")
+        elif allow := {k.lower(): v for k, v in headers.items()}.get("allow"):
+            message += f"; use {allow}"
+        resp = _error(e.status_code, message, str(e.detail).title().replace(" ", ""))
+        resp.headers.update(headers)
+        return resp
 
     @app.exception_handler(Exception)
     async def _internal(_req: Request, e: Exception):
@@ -50,14 +124,11 @@ def create_app(service: PrefillService, decode: DecodeClient | None, api_key: st
         return await call_next(request)
 
     async def read_json(request: Request) -> dict:
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise InvalidRequest(f"the body is not valid JSON ({e}); send a JSON object") from None
-        if not isinstance(body, dict):
-            raise InvalidRequest("the request body must be a JSON object")
-        return body
+        media = (request.headers.get("content-type") or "application/json").split(";")[0].strip().lower()
+        if media != "application/json" and not media.endswith("+json"):
+            raise UnsupportedMediaType(f"Content-Type {media!r} is not supported: send the body as JSON "
+                                       "with 'Content-Type: application/json'", field="content-type")
+        return _parse_json(await request.body())
 
     def sampling_of(b: schema._Body) -> SamplingParams:
         return SamplingParams(temperature=b.temperature if b.temperature is not None else 1.0,
@@ -93,7 +164,7 @@ def create_app(service: PrefillService, decode: DecodeClient | None, api_key: st
         raw = await read_json(request)
         body = schema.parse(schema.ChatBody, raw)
         service.check_model(body.model)
-        kwargs = {"tools": raw["tools"]} if raw.get("tools") else {}
+        kwargs = {"tools": body.tools} if body.tools else {}
         token_ids = service.encode_chat(schema.chat_messages(body), **kwargs)
         return await run(request, "/v1/chat/completions", dict(raw), token_ids, sampling_of(body), body.stream)
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
+                      ValidationError)
 
 from prefill_server.errors import InvalidRequest
 
@@ -17,10 +18,10 @@ class _Body(BaseModel):
     model: StrictStr | None = None
     stream: StrictBool = False
     max_tokens: StrictInt | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    temperature: StrictFloat | None = Field(default=None, ge=0.0)  # a JSON number, not "0.7" or true
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     top_k: StrictInt | None = None
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(default=None, ge=-2**63, le=2**63 - 1)  # a 64-bit seed, as vLLM takes
     n: StrictInt | None = Field(default=None, ge=1, le=1)
 
 
@@ -37,6 +38,7 @@ class ChatMessage(BaseModel):
 class ChatBody(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    tools: list[dict[str, Any]] | None = None  # the chat template renders them
 
 
 def parse(model_cls, body: Any):
