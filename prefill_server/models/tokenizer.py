@@ -99,6 +99,9 @@ class Tokenizer:
                                          **context)
         except jinja2.TemplateError as e:  # raise_exception() in the template: the caller's input
             raise InvalidRequest(f"chat template rejected the messages: {e}", field="messages") from None
+        except (TypeError, ValueError, LookupError, AttributeError) as e:  # a field of an unexpected type
+            raise InvalidRequest(f"the chat template could not render these messages ({type(e).__name__}: {e}); "
+                                 "check the types of the messages' extra fields and of tools", field="messages") from None
 
     def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """Ids of the rendered chat; like HF, the template supplies any BOS (no special tokens added)."""

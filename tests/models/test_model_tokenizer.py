@@ -108,6 +108,21 @@ def test_raise_exception_in_template_is_invalid_request(ours, tmp_path, smollm_d
         tok.apply_chat_template([{"role": "system", "content": "x"}])
 
 
+def test_a_field_the_template_cannot_use_is_invalid_request(tmp_path, smollm_dir):
+    """An extra message field of a type the template does not expect (a number where it joins a
+    list, here) is the caller's input too: a 400 that names the problem, not a 500."""
+    shutil.copy(smollm_dir / "tokenizer.json", tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|im_start|>"}))
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m['content'] }}{% if m.name %}{{ m.name | join(',') }}"
+        "{{ m.name[0] + 1 }}{% endif %}{% endfor %}")
+    tok = Tokenizer(tmp_path)
+    assert tok.apply_chat_template([{"role": "user", "content": "x", "name": [1]}]) == "x12"
+    for bad in (5, ["a"]):  # join over a number: TypeError; "a" + 1: TypeError
+        with pytest.raises(InvalidRequest, match="could not render these messages .TypeError"):
+            tok.apply_chat_template([{"role": "user", "content": "x", "name": bad}])
+
+
 @pytest.mark.parametrize("post_processor", ["bos", "bos_eos", "bytelevel"])
 def test_special_tokens_added_like_hf(smollm_dir, tmp_path, post_processor):
     """tokenizer.json's post-processor decides BOS/EOS (Llama-3 style TemplateProcessing here);
