@@ -96,13 +96,18 @@ def test_invalid_messages(ours, bad, match):
         ours.apply_chat_template(bad)
 
 
-def test_raise_exception_in_template_is_invalid_request(ours, tmp_path, smollm_dir):
+def with_template(tmp_path, smollm_dir, template: str) -> Tokenizer:
+    """SmolLM2's tokenizer with ``template`` as its chat template."""
     shutil.copy(smollm_dir / "tokenizer.json", tmp_path)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|im_start|>"}))
-    (tmp_path / "chat_template.jinja").write_text(
-        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}{% endif %}"
-        "{% for m in messages %}{{ bos_token + m['content'] | tojson }}{% endfor %}")
-    tok = Tokenizer(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text(template)
+    return Tokenizer(tmp_path)
+
+
+def test_raise_exception_in_template_is_invalid_request(ours, tmp_path, smollm_dir):
+    tok = with_template(tmp_path, smollm_dir,
+                        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}{% endif %}"
+                        "{% for m in messages %}{{ bos_token + m['content'] | tojson }}{% endfor %}")
     assert tok.apply_chat_template([{"role": "user", "content": "é<"}]) == '<|im_start|>"é<"'
     with pytest.raises(InvalidRequest, match="first must be user"):
         tok.apply_chat_template([{"role": "system", "content": "x"}])
@@ -111,12 +116,8 @@ def test_raise_exception_in_template_is_invalid_request(ours, tmp_path, smollm_d
 def test_a_field_the_template_cannot_use_is_invalid_request(tmp_path, smollm_dir):
     """An extra message field of a type the template does not expect (a number where it joins a
     list, here) is the caller's input too: a 400 that names the problem, not a 500."""
-    shutil.copy(smollm_dir / "tokenizer.json", tmp_path)
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|im_start|>"}))
-    (tmp_path / "chat_template.jinja").write_text(
-        "{% for m in messages %}{{ m['content'] }}{% if m.name %}{{ m.name | join(',') }}"
-        "{{ m.name[0] + 1 }}{% endif %}{% endfor %}")
-    tok = Tokenizer(tmp_path)
+    tok = with_template(tmp_path, smollm_dir, "{% for m in messages %}{{ m['content'] }}{% if m.name %}"
+                        "{{ m.name | join(',') }}{{ m.name[0] + 1 }}{% endif %}{% endfor %}")
     assert tok.apply_chat_template([{"role": "user", "content": "x", "name": [1]}]) == "x12"
     for bad in (5, ["a"]):  # join over a number: TypeError; "a" + 1: TypeError
         with pytest.raises(InvalidRequest, match="could not render these messages .TypeError"):
