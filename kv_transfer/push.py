@@ -535,15 +535,21 @@ class PushProducer:
             self._agent.release(h)
         p.handles.clear()
 
-    def _try_end(self, p: _Push) -> bool:
-        """(lock held) An aborted request: once none of its WRITEs is in flight (given up
-        ``transfer_timeout_s`` after the abort), end it (ABORTED; the decode is told; its
-        ``on_idle`` callbacks become due). False while WRITEs are still in flight."""
+    def _writes_over(self, p: _Push) -> bool:
+        """(lock held) An aborted or cancelled request: True once none of its WRITEs is in flight
+        (those still in flight ``transfer_timeout_s`` after the abort/Cancel are given up)."""
         self._poll_handles(p, list(p.handles))
         if p.handles and time.monotonic() < p.aborted_at + self.transfer_timeout_s:
             return False
         if p.handles:
             self._give_up(p, self.transfer_timeout_s)
+        return True
+
+    def _try_end(self, p: _Push) -> bool:
+        """(lock held) An aborted request: once its WRITEs are over, end it (ABORTED; the decode
+        is told; its ``on_idle`` callbacks become due). False while WRITEs are still in flight."""
+        if not self._writes_over(p):
+            return False
         self._fail(p, p.abort_reason or p.error or "cancelled", TransferState.ABORTED)  # (no handle left: it ends)
         return True
 
@@ -558,15 +564,10 @@ class PushProducer:
             self._try_end(p)
 
     def _release_acks(self, p: _Push) -> None:
-        """(lock held) A cancelled request: once none of its WRITEs is in flight (given up
-        ``transfer_timeout_s`` after the Cancel), its Acks are due (the service thread sends them).
-        The entry stays, ABORTED, for the engine to see (its finish/abort ends it)."""
-        self._poll_handles(p, list(p.handles))
-        if p.handles and time.monotonic() < p.aborted_at + self.transfer_timeout_s:
-            return
-        if p.handles:
-            self._give_up(p, self.transfer_timeout_s)
-        self._owe_acks(p)
+        """(lock held) A cancelled request: once its WRITEs are over, its Acks are due (the service
+        thread sends them). The entry stays, ABORTED, for the engine to see (its finish/abort ends it)."""
+        if self._writes_over(p):
+            self._owe_acks(p)
 
     def _owe_acks(self, p: _Push) -> None:
         """(lock held) ``p``'s Cancel Acks are due now."""

@@ -55,9 +55,11 @@ class NullPush:
         self._live.discard(request_id)
         return {}
 
-    def abort(self, request_id, reason: str = "") -> bool:
+    def abort(self, request_id, reason: str = "", on_idle=None) -> bool:
         live = request_id in self._live
         self._live.discard(request_id)
+        if on_idle is not None:  # (nothing is ever in flight here)
+            on_idle()
         return live
 
 

@@ -34,7 +34,6 @@ fails only the requests in that step and the loop keeps serving.
 """
 from __future__ import annotations
 
-import inspect
 import logging
 import threading
 import time
@@ -64,8 +63,6 @@ class Engine:
                                    push_ready=getattr(producer, "is_ready", None),
                                    wants_pull=getattr(producer, "wants_pull", None))
         self.supports_push = hasattr(producer, "expect")
-        # a push producer's abort calls back once no WRITE reads the staging blocks (else: it waited)
-        self._abort_calls_back = self.supports_push and "on_idle" in inspect.signature(producer.abort).parameters
         runner.producer = producer if self.supports_push else None
         self.metrics = metrics or Metrics()
         self.metrics.blocks_total.set(pool.num_blocks)
@@ -257,17 +254,13 @@ class Engine:
             with self._wake:
                 blocks = self._detach(seq)
         free = self._freer(blocks)
-        calls_back = seq.connector and self._abort_calls_back
         if seq.connector:  # no WRITE may still read the staging blocks when freed; the decode is told
             try:
-                if calls_back:
-                    self.producer.abort(seq.request_id, f"prefill failed: {err}", on_idle=free)
-                else:  # (a producer without on_idle waits for its WRITEs before it returns)
-                    self.producer.abort(seq.request_id, f"prefill failed: {err}")
+                self.producer.abort(seq.request_id, f"prefill failed: {err}", on_idle=free)
             except Exception:  # noqa: BLE001 - the producer bounds its waits; never stop the loop
                 log.exception("push abort of %s failed", seq.request_id)
                 free()
-        if not calls_back:
+        else:
             free()
         self.metrics.requests.labels(type(err).__name__).inc()
         if not seq.future.done():
