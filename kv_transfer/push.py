@@ -781,4 +781,4 @@ class PushProducer:
             p.ready.set()
         self._stats.add(handshakes_total=1)
         self._reply(identity, wire.Ack(version=wire.PROTOCOL_VERSION, request_id=reg.request_id,
-                                       accepted=True, nonce=reg.nonce))
+                                       accepted=True, nonce=reg.nonce, write_timeout_s=self.transfer_timeout_s))

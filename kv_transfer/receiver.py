@@ -19,11 +19,21 @@ the prefill's lease, or nothing happens for ``timeout_s`` (pull: the prefill com
 prompt before the "ready" notification, so this must cover a whole prefill). A failed or cancelled
 pull request with a READ in flight is reported only once that READ is over, so the decode never
 reuses blocks a READ can still write into.
+
+The same rule for the prefill's WRITEs (push): a cancelled request, and a failed one the prefill
+may still be writing (it sent "fail", or we gave up), is reported only once the prefill has
+acknowledged a ``Cancel``, which it does once none of the request's WRITEs is in flight. It gives
+a stuck WRITE up ``write_timeout_s`` (its Register Ack says how long) after the Cancel, so the
+Cancel waits that long plus ``rpc_timeout_s``. Without an answer by then (the prefill unreachable)
+the request is reported anyway; a prefill whose port refuses connections (it died: nothing of its
+can write any more) is reported at once. Cancels have their own threads, so a long one never
+holds up a Register.
 """
 from __future__ import annotations
 
 import logging
 import queue
+import socket
 import threading
 import time
 import uuid
@@ -62,6 +72,10 @@ class _Recv:
     lease_end: float = 0.0  # the prefill's lease ends (our clock, conservatively early)
     failed: str = ""  # failed while a READ was in flight: reported once it is over
     cancelled: bool = False  # likewise, cancelled
+    # push
+    write_timeout_s: float = 0.0  # from the Register's Ack (0: not acknowledged yet)
+    refused: bool = False  # the prefill refused the Register: it never writes
+    cancelling: bool = False  # failed: reported once the prefill acknowledges our Cancel
 
 
 @dataclass
@@ -102,6 +116,7 @@ class PushReceiver:
         self._to_convert: dict[str, list[int]] = {}  # done, pages still to convert (poll())
         self._remotes: dict[str, bytes] = {}  # prefill agent name -> metadata loaded
         self._quiet: set[str] = set()  # Cancels we sent for failed pull requests (not reported)
+        self._failing: set[str] = set()  # Cancels we sent for failed push requests (report the failure)
         self._jobs: queue.Queue = queue.Queue()
         self._zmq = zmq.Context()
         self._stop = threading.Event()
@@ -141,8 +156,14 @@ class PushReceiver:
                 r.cancelled = True           # notification frees the prefill's lease
                 return
             self._recv.pop(request_id, None)
-        self._jobs.put((host, port, wire.Cancel(version=wire.PROTOCOL_VERSION, request_id=request_id,
-                                                nonce=b"", timestamp=0.0)))
+            self._failing.discard(request_id)  # (given up already: now reported as cancelled)
+            self._send_cancel(host, port, request_id, r)
+
+    def cancel_wait_s(self, r: _Recv | None) -> float:
+        """How long a Cancel for ``r`` waits for the prefill's Ack: its write timeout (our own
+        ``timeout_s`` while its Register is not acknowledged) plus ``rpc_timeout_s``."""
+        known = r is not None and r.write_timeout_s > 0
+        return (r.write_timeout_s if known else self.timeout_s) + self.rpc_timeout_s
 
     def pending(self) -> int:
         with self._lock:
@@ -155,7 +176,7 @@ class PushReceiver:
         now = time.monotonic()
         with self._lock:
             for rid, r in list(self._recv.items()):
-                if now > r.deadline:
+                if now > r.deadline and not r.cancelling:
                     self._give_up(r, f"no KV from the prefill server for {self.timeout_s:.0f} s "
                                      f"({len(r.layers)} of {r.num_layers} layers arrived)" if r.mode == "push"
                                   else f"the prefill server's KV was not read within {self.timeout_s:.0f} s")
@@ -189,15 +210,24 @@ class PushReceiver:
                 self._to_convert[r.request_id] = r.block_ids[r.first_token // bs: -(-r.num_tokens // bs)]
 
     def _give_up(self, r: _Recv, reason: str) -> None:
-        """Fail ``r`` now, or once its READ is over. A pull request not read yet is cancelled on
-        the prefill too, so its compute or lease ends now rather than at the lease's deadline."""
+        """Fail ``r``: a pull request now, or once its READ is over (not read yet: it is cancelled
+        on the prefill too, so its compute or lease ends now rather than at the lease's deadline);
+        a push request the prefill may be writing once the prefill acknowledges a Cancel."""
         r.failed = r.failed or reason
-        if not r.reading:
-            self._finish(r)
-            if r.mode == "pull":
-                self._quiet.add(r.request_id)
-                self._jobs.put((r.host, r.port, wire.Cancel(version=wire.PROTOCOL_VERSION, request_id=r.request_id,
-                                                            nonce=b"", timestamp=0.0)))
+        if r.reading or r.cancelling:
+            return
+        if r.mode == "push" and not r.refused:
+            r.cancelling = True
+            self._failing.add(r.request_id)
+            return self._send_cancel(r.host, r.port, r.request_id, r)
+        self._finish(r)
+        if r.mode == "pull":
+            self._quiet.add(r.request_id)
+            self._send_cancel(r.host, r.port, r.request_id, r)
+
+    def _send_cancel(self, host: str, port: int, request_id: str, r: _Recv | None) -> None:
+        self._jobs.put((host, port, wire.Cancel(version=wire.PROTOCOL_VERSION, request_id=request_id,
+                                                nonce=b"", timestamp=0.0), self.cancel_wait_s(r)))
 
     # ---- progress thread ----
     def _drain(self) -> None:
@@ -259,34 +289,56 @@ class PushReceiver:
 
     # ---- background RPCs ----
     def _rpc_loop(self) -> None:
-        # a pool, so that one unreachable prefill (each RPC waits up to rpc_timeout_s) does not hold
-        # up registrations with the others
-        with ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-receiver-rpc") as pool:
+        # pools, so that one unreachable prefill (each RPC waits up to rpc_timeout_s, a Cancel up
+        # to cancel_wait_s) does not hold up registrations with the others; Cancels have their own
+        with ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-receiver-rpc") as pool, \
+                ThreadPoolExecutor(max_workers=16, thread_name_prefix="kv-receiver-cancel") as cancels:
             while not self._stop.is_set():
                 job = self._jobs.get()
                 if job is None:
                     return
-                pool.submit(self._run_job, *job)
+                (cancels if isinstance(job[2], wire.Cancel) else pool).submit(self._run_job, *job)
 
-    def _run_job(self, host: str, port: int, msg) -> None:
+    def _run_job(self, host: str, port: int, msg, timeout_s: float | None = None) -> None:
         t_sent = time.monotonic()
         try:
-            sent, reply, err = self._rpc(host, port, msg)
+            if isinstance(msg, wire.Cancel) and not _listening(host, port, self.rpc_timeout_s):
+                sent, reply, err = msg, None, "nothing listens there any more"  # (dead: cannot write)
+            else:
+                sent, reply, err = self._rpc(host, port, msg, timeout_s or self.rpc_timeout_s)
         except Exception as e:  # noqa: BLE001
             sent, reply, err = msg, None, f"{type(e).__name__}: {e}"
-        if isinstance(msg, wire.Cancel):  # (an unreachable prefill cannot write either)
-            with self._lock:
-                if msg.request_id in self._quiet:
-                    self._quiet.discard(msg.request_id)
-                else:
-                    self._result.cancelled.add(msg.request_id)
-        elif isinstance(msg, wire.Fetch) and not err:
+        if isinstance(msg, wire.Cancel):
+            return self._cancel_over(msg.request_id, err, host, port)
+        with self._lock:
+            r = self._recv.get(msg.request_id)
+            if isinstance(msg, wire.Register) and r is not None:
+                if not err:
+                    r.write_timeout_s = reply.write_timeout_s
+                elif isinstance(reply, wire.Ack) and not reply.accepted:
+                    r.refused = True  # (it will not write: the failure is reported at once)
+        if isinstance(msg, wire.Fetch) and not err:
             self._read(reply, sent.nonce, t_sent)
         elif err:
             with self._lock:
                 r = self._recv.get(msg.request_id)
                 if r is not None:
                     self._give_up(r, err)
+
+    def _cancel_over(self, request_id: str, err: str, host: str, port: int) -> None:
+        """A Cancel was acknowledged (no WRITE of the request in flight any more), or got no
+        answer within its wait: report the request cancelled, or failed if we gave it up."""
+        if err:
+            log.warning("Cancel of %s at %s:%d: %s; reporting it over", request_id, host, port, err)
+        with self._lock:
+            if request_id in self._quiet:
+                self._quiet.discard(request_id)
+            elif request_id in self._failing:
+                self._failing.discard(request_id)
+                if (r := self._recv.get(request_id)) is not None:
+                    self._finish(r)  # (failed)
+            else:
+                self._result.cancelled.add(request_id)
 
     def _read(self, offer: wire.Offer, nonce: bytes, t_sent: float) -> None:
         """Pull: READ what the Offer points at, telling the prefill when done."""
@@ -315,12 +367,12 @@ class PushReceiver:
         with self._lock:
             r.read = h
 
-    def _rpc(self, host: str, port: int, msg) -> tuple[Any, Any, str]:
+    def _rpc(self, host: str, port: int, msg, timeout_s: float) -> tuple[Any, Any, str]:
         """Send one signed message; (what was sent, the reply, '' if accepted else why not)."""
         msg = wire.sign(self.secret, msgspec.structs.replace(msg, nonce=wire.new_nonce(), timestamp=time.time()))
         sock = self._zmq.socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVTIMEO, int(self.rpc_timeout_s * 1000))
+        sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
         try:
             h = f"[{host}]" if ":" in host else host
             if ":" in host:
@@ -331,7 +383,7 @@ class PushReceiver:
                 reply = wire.decode(sock.recv())
             except zmq.Again:
                 return msg, None, (f"the prefill server at {host}:{port} did not answer within "
-                                   f"{self.rpc_timeout_s:.0f} s")
+                                   f"{timeout_s:g} s")
         finally:
             sock.close(linger=0)
         if isinstance(reply, wire.Offer) and isinstance(msg, wire.Fetch) and reply.request_id == msg.request_id:
@@ -343,3 +395,15 @@ class PushReceiver:
         if reply.nonce != msg.nonce or not wire.verify(self.secret, reply):
             return msg, reply, "the prefill server's reply failed authentication (wrong secret?)"
         return msg, reply, ""
+
+
+def _listening(host: str, port: int, timeout_s: float) -> bool:
+    """False only if ``host`` refuses a TCP connection to ``port`` (no process listens: a prefill
+    that died); an unreachable or slow host counts as listening (the Cancel's wait decides)."""
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except ConnectionRefusedError:
+        return False
+    except OSError:
+        return True
+    return True

@@ -6,7 +6,7 @@ server (``kv_transfer.push``) and our vLLM connector running inside the decode
 Exchange, per request (decode worker = client, prefill side channel = ZMQ ROUTER)::
 
     decode --Register{request_id, geometry, destination blocks, NIXL metadata, nonce, ts, mac}--> prefill
-    decode <--Ack{request_id, accepted, error, nonce, mac}------------------------------------- prefill
+    decode <--Ack{request_id, accepted, error, nonce, write_timeout_s, mac}-------------------- prefill
     decode <==NIXL WRITE of layer l's pages, with notification "psv1 done <rid> <l>"=========== prefill
     ... one per layer; "psv1 fail <rid> <reason>" instead if the prefill gives up ...
 
@@ -43,7 +43,7 @@ from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: pull fallback (Fetch, Offer), page layouts with strides
+PROTOCOL_VERSION = 3  # 2: pull fallback (Fetch, Offer), page layouts with strides; 3: Ack.write_timeout_s
 MAX_CLOCK_SKEW_S = 60.0
 NOTIF_PREFIX = b"psv1"
 # Page layout names are vLLM 0.32's ``KVCacheLayout`` names (``kv_transfer.layout``). "LBHNC": one
@@ -184,6 +184,9 @@ class Ack(msgspec.Struct, kw_only=True, tag="ack"):
     accepted: bool
     error: str = ""
     nonce: bytes = b""  # the Register's nonce
+    # accepted Register: after a Cancel reaches the prefill, none of the request's WRITEs stays in
+    # flight longer than this (the prefill gives them up); the decode's Cancel waits that long
+    write_timeout_s: float = 0.0
     mac: bytes = b""
 
 

@@ -8,6 +8,7 @@ The WRITEs are real (NIXL/UCX on DRAM, the engine and receiver of test_push.py);
 producer's handle-state check is substituted, reporting "PROC" forever for the stuck ones."""
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -280,5 +281,90 @@ def test_a_decode_cancel_waits_for_its_write_without_stalling_the_side_channel(l
         s.receiver.cancel(s.producer.host, s.producer.port, "other")
         wait_for(lambda: "other" in s.receiver.poll().cancelled, 5)
         assert time.monotonic() - t1 < 2.0 and s.producer.state("other") is TransferState.ABORTED
+    finally:
+        s.close()
+
+
+# ---- the decode never reuses blocks a WRITE may still land in ----
+class Outcomes:
+    """What a receiver's ``poll()`` reported, gathered across calls (each result comes once)."""
+
+    def __init__(self, receiver):
+        self.receiver, self.cancelled, self.failed = receiver, {}, {}
+
+    def update(self) -> None:
+        r, now = self.receiver.poll(), time.monotonic()
+        for rid in r.cancelled:
+            self.cancelled.setdefault(rid, now)
+        for rid, why in r.failed.items():
+            self.failed.setdefault(rid, (now, why))
+
+
+def test_a_decode_cancel_waits_past_its_rpc_timeout_for_the_prefill_to_give_the_write_up(loaded):
+    """The prefill's transfer timeout (T) is longer than the decode's RPC timeout: the Cancel must
+    wait for the prefill's Ack (sent once the stuck WRITE is given up, T after the Cancel), which
+    the Register's Ack announced. (Before: the Cancel gave up at the RPC timeout and reported the
+    request cancelled while the WRITE could still land in blocks vLLM would reuse.)"""
+    T = 3.0
+    s = Setup(loaded, transfer_timeout_s=T)
+    try:
+        s.receiver.rpc_timeout_s = 0.5
+        stuck_write(s, "sw")
+        wait_for(lambda: s.receiver._recv["sw"].write_timeout_s == T, 5)  # (the Ack says T)
+        assert s.receiver.cancel_wait_s(s.receiver._recv["sw"]) == T + 0.5
+        seen = Outcomes(s.receiver)
+        t0 = time.monotonic()
+        s.receiver.cancel(s.producer.host, s.producer.port, "sw")
+        while time.monotonic() - t0 < 1.5:  # well past the RPC timeout: not reported
+            seen.update()
+            time.sleep(0.01)
+        assert "sw" not in seen.cancelled
+        t_ack = wait_for(lambda: seen.update() or "sw" in seen.cancelled, T + 5)
+        assert T <= t_ack - t0 < T + 0.5 + 0.5, t_ack - t0  # the Ack, not the Cancel's own timeout
+        assert s.producer.state("sw") is TransferState.ABORTED
+    finally:
+        s.close()
+
+
+def test_a_push_the_decode_gives_up_is_reported_failed_once_the_prefill_stops_writing(loaded):
+    """No layer arrives within the decode's timeout (a WRITE is stuck): the decode cancels the
+    request on the prefill and reports the failure (vLLM then frees the blocks) only once the
+    prefill acknowledges, T after that Cancel. (Before: it reported the failure at once.)"""
+    T = 3.0
+    s = Setup(loaded, transfer_timeout_s=T)
+    try:
+        s.receiver.timeout_s = 1.0  # (read when the request is registered)
+        t0 = time.monotonic()
+        stuck_write(s, "gw")
+        seen = Outcomes(s.receiver)
+        t_failed = wait_for(lambda: seen.update() or "gw" in seen.failed, 1.0 + T + 5)
+        assert 1.0 + T <= t_failed - t0 < 1.0 + T + 1.5, t_failed - t0
+        assert "no KV from the prefill server for 1 s" in seen.failed["gw"][1]
+        assert "gw" not in seen.cancelled and s.receiver.pending() == 0
+        assert s.producer.state("gw") is TransferState.ABORTED  # (the Cancel reached it)
+    finally:
+        s.close()
+
+
+def test_a_prefill_that_died_is_given_up_without_the_long_waits(loaded):
+    """Nothing listens on the prefill's port any more: a Cancel is reported at once (a dead
+    process cannot write), and a push request registered there fails after the RPC timeout,
+    not after a Cancel's long wait."""
+    s = Setup(loaded)
+    try:
+        s.receiver.rpc_timeout_s = 0.5
+        with socket.socket() as probe:  # a port nothing listens on
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        seen = Outcomes(s.receiver)
+        t0 = time.monotonic()
+        s.receiver.cancel("127.0.0.1", port, "gone")
+        assert wait_for(lambda: seen.update() or "gone" in seen.cancelled, 5) - t0 < 1.0
+        assert s.receiver.cancel_wait_s(None) == s.receiver.timeout_s + 0.5  # (what it did not wait)
+        t1 = time.monotonic()
+        s.receiver.register("127.0.0.1", port, "orphan", [0, 1], 0, 20)
+        assert wait_for(lambda: seen.update() or "orphan" in seen.failed, 5) - t1 < 2.0
+        assert "did not answer within 0.5 s" in seen.failed["orphan"][1]
+        assert s.receiver.pending() == 0
     finally:
         s.close()
