@@ -219,6 +219,9 @@ def _kind(msg: Message) -> bytes:
 
 
 def sign(secret: bytes, msg: Message) -> Message:
+    """``msg`` as its receiver will decode it (e.g. an int in a float field becomes a float: the
+    receiver re-encodes what it decoded to check the mac), with its mac."""
+    msg = _decoder.decode(_encoder.encode(msg))
     return msgspec.structs.replace(msg, mac=_mac(secret, _kind(msg), msg))
 
 

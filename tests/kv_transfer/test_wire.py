@@ -51,6 +51,24 @@ def test_pull_messages_round_trip_signed():
     assert not wire.verify(SECRET, msgspec.structs.replace(back, layer_addrs=[11, 20]))  # redirected READ
 
 
+@pytest.mark.parametrize("field", ["write_timeout_s", "lease_s"])
+def test_an_int_in_a_float_field_still_verifies(field):
+    """The receiver decodes an int sent in a float field as a float and re-encodes that to check the
+    mac: ``sign`` must mac (and send) the message as it will be decoded. (Before: a producer built
+    with ``transfer_timeout_s=60`` had every Ack refused as "failed authentication".)"""
+    if field == "write_timeout_s":
+        msg = wire.Ack(version=wire.PROTOCOL_VERSION, request_id="r1", accepted=True, write_timeout_s=60)
+    else:
+        msg = wire.Offer(version=wire.PROTOCOL_VERSION, request_id="r1", agent_name="p", agent_metadata=b"",
+                         page_layout="LBHNC", mem_type="DRAM", device_id=0, layer_addrs=[1], block_stride=1,
+                         head_stride=0, token_stride=0, block_ids=[0], num_tokens=1, lease_s=30,
+                         release_token="t")
+    signed = wire.sign(SECRET, msg)
+    back = wire.decode(wire.encode(signed))
+    assert wire.verify(SECRET, back) and getattr(back, field) in (60.0, 30.0)
+    assert isinstance(getattr(signed, field), float)
+
+
 def test_malformed_messages_raise_validation_errors():
     for junk in (b"", b"\x93\x01\x02", wire.encode(register())[:-3], msgspec.msgpack.encode({"type": "x"})):
         with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
