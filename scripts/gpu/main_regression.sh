@@ -17,3 +17,5 @@ echo "smoke rc=$?"
 E2E_TIMEOUT=${E2E_TIMEOUT:-300} bash scripts/gpu/bench_e2e_stream.sh --lengths 131072 --densities 0.02 \
   --variants null-push,nixl --estimator-lengths "" --long 1048576 --long-runs nixl:1 --reps 2 \
   --budget-s "${BUDGET_S:-280}"
+echo "---- smoke tests (again, for the tail) ----"
+grep -E "^(128K|8K|32K|64|1M|PASSED|FAILED)|passed|failed" "$out/smoke.log" | tail -12
