@@ -26,8 +26,9 @@ acknowledged a ``Cancel``, which it does once none of the request's WRITEs is in
 a stuck WRITE up ``write_timeout_s`` (its Register Ack says how long) after the Cancel, so the
 Cancel waits that long plus ``rpc_timeout_s``. Without an answer by then (the prefill unreachable)
 the request is reported anyway; a prefill whose port refuses connections (it died: nothing of its
-can write any more) is reported at once. Cancels have their own threads, so a long one never
-holds up a Register.
+can write any more), before the Cancel or while it waits, is reported at once. Cancels have their
+own threads, so a long one never holds up a Register; ``close()`` ends every wait within
+``WAIT_SLICE_S``.
 """
 from __future__ import annotations
 
@@ -50,6 +51,9 @@ from kv_transfer import layout, pull, wire
 from kv_transfer.nixl import NixlAgent, device_id_of, mem_type_of
 
 log = logging.getLogger(__name__)
+
+WAIT_SLICE_S = 0.1  # an RPC's wait for its reply wakes this often to notice close()
+REPROBE_S = 1.0  # a Cancel's wait re-checks this often that the prefill's port still listens
 
 
 @dataclass
@@ -300,6 +304,8 @@ class PushReceiver:
                 (cancels if isinstance(job[2], wire.Cancel) else pool).submit(self._run_job, *job)
 
     def _run_job(self, host: str, port: int, msg, timeout_s: float | None = None) -> None:
+        if self._stop.is_set():
+            return  # (closing: what we hold goes away with us)
         t_sent = time.monotonic()
         try:
             if isinstance(msg, wire.Cancel) and not _listening(host, port, self.rpc_timeout_s):
@@ -372,18 +378,15 @@ class PushReceiver:
         msg = wire.sign(self.secret, msgspec.structs.replace(msg, nonce=wire.new_nonce(), timestamp=time.time()))
         sock = self._zmq.socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
         try:
             h = f"[{host}]" if ":" in host else host
             if ":" in host:
                 sock.setsockopt(zmq.IPV6, 1)
             sock.connect(f"tcp://{h}:{port}")
             sock.send(wire.encode(msg))
-            try:
-                reply = wire.decode(sock.recv())
-            except zmq.Again:
-                return msg, None, (f"the prefill server at {host}:{port} did not answer within "
-                                   f"{timeout_s:g} s")
+            if why := self._await_reply(sock, host, port, msg, timeout_s):
+                return msg, None, why
+            reply = wire.decode(sock.recv())
         finally:
             sock.close(linger=0)
         if isinstance(reply, wire.Offer) and isinstance(msg, wire.Fetch) and reply.request_id == msg.request_id:
@@ -395,6 +398,24 @@ class PushReceiver:
         if reply.nonce != msg.nonce or not wire.verify(self.secret, reply):
             return msg, reply, "the prefill server's reply failed authentication (wrong secret?)"
         return msg, reply, ""
+
+    def _await_reply(self, sock, host: str, port: int, msg, timeout_s: float) -> str:
+        """Wait for ``sock``'s reply: '' once it is there, else why not. Gives up at
+        ``timeout_s``, at ``close()``, and for a Cancel once the prefill's port refuses
+        connections (re-checked every ``REPROBE_S``: a prefill that died while we waited)."""
+        deadline = time.monotonic() + timeout_s
+        next_probe = time.monotonic() + REPROBE_S
+        while not sock.poll(int(min(WAIT_SLICE_S, max(0.0, deadline - time.monotonic())) * 1000)):
+            now = time.monotonic()
+            if self._stop.is_set():
+                return "the receiver closed"
+            if now >= deadline:
+                return f"the prefill server at {host}:{port} did not answer within {timeout_s:g} s"
+            if isinstance(msg, wire.Cancel) and now >= next_probe:
+                if not _listening(host, port, self.rpc_timeout_s):
+                    return "nothing listens there any more"
+                next_probe = time.monotonic() + REPROBE_S
+        return ""
 
 
 def _listening(host: str, port: int, timeout_s: float) -> bool:

@@ -15,6 +15,7 @@ import time
 import pytest
 
 from kv_transfer import wire
+from kv_transfer.receiver import REPROBE_S
 from kv_transfer.base import TransferState
 from prefill_server.cli import main
 from prefill_server.config import EngineConfig, ServerConfig
@@ -368,3 +369,38 @@ def test_a_prefill_that_died_is_given_up_without_the_long_waits(loaded):
         assert s.receiver.pending() == 0
     finally:
         s.close()
+
+
+def test_a_cancel_waiting_on_a_prefill_that_then_dies_is_reported_once_its_port_refuses(loaded):
+    """The prefill's port listened when the Cancel went out (so it waits for an answer), then
+    the process died: the wait re-checks the port and reports the cancel within about a second,
+    not after the write timeout plus the RPC timeout (30 s here)."""
+    s = Setup(loaded)
+    listener = socket.create_server(("127.0.0.1", 0))  # accepts at the TCP level, never answers
+    try:
+        port = listener.getsockname()[1]
+        seen = Outcomes(s.receiver)
+        s.receiver.cancel("127.0.0.1", port, "dies")
+        time.sleep(0.5)
+        assert not (seen.update() or "dies" in seen.cancelled)  # (waiting: the port listens)
+        listener.close()
+        t0 = time.monotonic()
+        assert wait_for(lambda: seen.update() or "dies" in seen.cancelled, 10) - t0 < 1.0 + REPROBE_S
+    finally:
+        listener.close()
+        s.close()
+
+
+def test_close_ends_a_cancel_that_waits_for_an_answer(loaded):
+    """The decode shuts down while a Cancel waits (a prefill that never answers): close() returns
+    at once rather than after the Cancel's wait (the CI failure of 2026-12-01: 6.3 s)."""
+    s = Setup(loaded)
+    listener = socket.create_server(("127.0.0.1", 0))
+    try:
+        s.receiver.cancel("127.0.0.1", listener.getsockname()[1], "waits")
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        s.close()
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        listener.close()
