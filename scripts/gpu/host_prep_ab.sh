@@ -6,12 +6,8 @@ set -o pipefail
 export PYTHONUNBUFFERED=1
 out=${OUT:-.devout}; mkdir -p "$out"; out=$(cd "$out" && pwd)
 nvidia-smi --query-gpu=name,clocks.sm,power.draw,memory.used --format=csv,noheader
-args=(--lengths 8192,32768 --skip-floor --check-len 0 --throughput "" --reps 5)
-for round in 1 2; do
-  (cd .ab_base && PYTHONPATH=$PWD timeout 150 python3 -m prefill_server.bench.e2e "${args[@]}" \
-     --out "$out/base_$round.json" 2>&1 | tail -4)
-  PYTHONPATH=$PWD timeout 150 python3 -m prefill_server.bench.e2e "${args[@]}" --out "$out/new_$round.json" 2>&1 | tail -4
-done
+source scripts/gpu/ab_dense.sh
+ab_dense "$out" 5
 PYTHONPATH=$PWD timeout 240 python3 -m prefill_server.bench.e2e --lengths 8192,32768,131072 --check-len 4096 \
   --throughput "" --reps 3 --profile-len 8192 --out "$out/new_floor.json" 2>&1 | tail -12
 python3 - "$out" <<'PY'

