@@ -607,7 +607,7 @@ class NixlCompatProducer(KVProducer):
         try:
             msg, pp_rank, tp_rank = msgspec.msgpack.decode(body)
             ok = msg == GET_META_MSG and pp_rank == 0 and tp_rank == 0
-        except (msgspec.DecodeError, ValueError, TypeError):
+        except (msgspec.DecodeError, ValueError, TypeError, RecursionError):  # (deep nesting: the last)
             ok = False
         if not ok:
             # A REQ peer waits for an answer: give it an empty one it will fail to decode loudly.
