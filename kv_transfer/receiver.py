@@ -405,6 +405,7 @@ class PushReceiver:
         connections (re-checked every ``REPROBE_S``: a prefill that died while we waited)."""
         deadline = time.monotonic() + timeout_s
         next_probe = time.monotonic() + REPROBE_S
+        probe_s = min(self.rpc_timeout_s, REPROBE_S)  # (a silent host: the probe times out = listening)
         while not sock.poll(int(min(WAIT_SLICE_S, max(0.0, deadline - time.monotonic())) * 1000)):
             now = time.monotonic()
             if self._stop.is_set():
@@ -412,7 +413,7 @@ class PushReceiver:
             if now >= deadline:
                 return f"the prefill server at {host}:{port} did not answer within {timeout_s:g} s"
             if isinstance(msg, wire.Cancel) and now >= next_probe:
-                if not _listening(host, port, self.rpc_timeout_s):
+                if not _listening(host, port, probe_s):
                     return "nothing listens there any more"
                 next_probe = time.monotonic() + REPROBE_S
         return ""
