@@ -26,9 +26,9 @@ acknowledged a ``Cancel``, which it does once none of the request's WRITEs is in
 a stuck WRITE up ``write_timeout_s`` (its Register Ack says how long) after the Cancel, so the
 Cancel waits that long plus ``rpc_timeout_s``. Without an answer by then (the prefill unreachable)
 the request is reported anyway; a prefill whose port refuses connections (it died: nothing of its
-can write any more), before the Cancel or while it waits, is reported at once. Cancels have their
-own threads, so a long one never holds up a Register; ``close()`` ends every wait within
-``WAIT_SLICE_S``.
+can write any more) is reported at once (the wait checks the port at its first wake-up and then
+every ``REPROBE_S``). Cancels have their own threads, so a long one never holds up a Register;
+``close()`` ends every wait within ``WAIT_SLICE_S``.
 """
 from __future__ import annotations
 
@@ -142,15 +142,19 @@ class PushReceiver:
         with self._lock:
             self._recv[request_id] = _Recv(request_id, self.geometry.num_layers, time.monotonic() + self.timeout_s,
                                            block_ids, first_token, num_tokens, host, port, mode)
+        self._jobs.put((host, port, self.register_message(request_id, block_ids, first_token, num_tokens, mode)))
+
+    def register_message(self, request_id: str, block_ids: list[int], first_token: int, num_tokens: int,
+                         mode: str = "push") -> wire.Register:
+        """The (unsigned) Register that asks for ``request_id``'s KV in ``block_ids`` of our caches."""
         c, a = self.caches[0], self.addressing
-        reg = wire.Register(
+        return wire.Register(
             version=wire.PROTOCOL_VERSION, request_id=request_id, engine_id=self.engine_id,
             agent_name=self.engine_id, agent_metadata=self.metadata, geometry=self.geometry,
             mem_type=mem_type_of(c), device_id=device_id_of(c), layer_addrs=list(a.layer_addrs),
             block_stride=a.block_stride, head_stride=a.head_stride, token_stride=a.token_stride,
             block_ids=block_ids, first_token=first_token, num_tokens=num_tokens, transfer_mode=mode,
             nonce=b"", timestamp=0.0)
-        self._jobs.put((host, port, reg))
 
     def cancel(self, host: str, port: int, request_id: str) -> None:
         """Stop a transfer; ``poll().cancelled`` reports it once nothing can land any more."""
@@ -308,10 +312,7 @@ class PushReceiver:
             return  # (closing: what we hold goes away with us)
         t_sent = time.monotonic()
         try:
-            if isinstance(msg, wire.Cancel) and not _listening(host, port, self.rpc_timeout_s):
-                sent, reply, err = msg, None, "nothing listens there any more"  # (dead: cannot write)
-            else:
-                sent, reply, err = self._rpc(host, port, msg, timeout_s or self.rpc_timeout_s)
+            sent, reply, err = self._rpc(host, port, msg, timeout_s or self.rpc_timeout_s)
         except Exception as e:  # noqa: BLE001
             sent, reply, err = msg, None, f"{type(e).__name__}: {e}"
         if isinstance(msg, wire.Cancel):
@@ -402,9 +403,10 @@ class PushReceiver:
     def _await_reply(self, sock, host: str, port: int, msg, timeout_s: float) -> str:
         """Wait for ``sock``'s reply: '' once it is there, else why not. Gives up at
         ``timeout_s``, at ``close()``, and for a Cancel once the prefill's port refuses
-        connections (re-checked every ``REPROBE_S``: a prefill that died while we waited)."""
+        connections (a prefill that died: nothing of its can write any more), checked after the
+        first ``WAIT_SLICE_S`` and then every ``REPROBE_S``."""
         deadline = time.monotonic() + timeout_s
-        next_probe = time.monotonic() + REPROBE_S
+        next_probe = time.monotonic()
         probe_s = min(self.rpc_timeout_s, REPROBE_S)  # (a silent host: the probe times out = listening)
         while not sock.poll(int(min(WAIT_SLICE_S, max(0.0, deadline - time.monotonic())) * 1000)):
             now = time.monotonic()
