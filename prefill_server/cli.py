@@ -6,7 +6,8 @@ import json
 import logging
 import sys
 
-from prefill_server.config import DEFAULT_TRANSFER_TIMEOUT_S, TRANSFER_MODES, EngineConfig, ServerConfig
+from prefill_server.config import (DEFAULT_TRANSFER_TIMEOUT_S, FIRST_TOKEN_MODES, TRANSFER_MODES, EngineConfig,
+                                   ServerConfig)
 
 
 def seconds_or_auto(text: str) -> float | None:
@@ -30,6 +31,13 @@ def _serve_parser(sub) -> None:
                         "connector: our own vLLM connector, kv_transfer.vllm.connector (streaming push, "
                         "authenticated; see vllm-config); "
                         "local: no decode, answer with the first token and hold KV under a lease")
+    p.add_argument("--first-token", default=s.first_token, choices=FIRST_TOKEN_MODES,
+                   help="greedy requests (temperature 0, n 1, no penalties or stop strings): prefill = "
+                        "the first token is our prefill's, sent to the client as soon as the decode "
+                        "accepts the rest, and the decode continues from prompt + that token (its "
+                        "first step then computes exactly what vLLM alone computes); decode = the "
+                        "decode recomputes the prompt's last token and samples the first token. "
+                        "nixl-compat mode; other requests always take the decode's")
     p.add_argument("--served-model-name", default=None,
                    help="model id clients send; default: the decode's model id (local mode: the folder)")
     p.add_argument("--dtype", default=d.dtype, help="auto | float32 | bfloat16 | float16 (match the decode's)")
@@ -155,7 +163,7 @@ def _serve(args) -> int:
                         grpc_port=args.grpc_port, grpc_tls_cert=args.grpc_tls_cert,
                         grpc_tls_key=args.grpc_tls_key, grpc_tls_client_ca=args.grpc_tls_client_ca,
                         secret_file=args.secret_file, register_timeout_s=args.register_timeout,
-                        transfer_timeout_s=args.transfer_timeout)
+                        transfer_timeout_s=args.transfer_timeout, first_token=args.first_token)
     try:
         ecfg.validate()
         scfg.validate()

@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass
 
 TRANSFER_MODES = ("nixl-compat", "connector", "local")
+FIRST_TOKEN_MODES = ("prefill", "decode")
 DEFAULT_TRANSFER_TIMEOUT_S = 30.0  # connector mode; capped at the lease time unless set explicitly
 
 
@@ -66,11 +67,16 @@ class ServerConfig:
     # a WRITE to a decode that died is given up then and its staging blocks are freed.
     # None = min(DEFAULT_TRANSFER_TIMEOUT_S, the lease time): see transfer_timeout_for
     transfer_timeout_s: float | None = None
+    # greedy requests: "prefill" = the client's first token is the one our prefill sampled, the
+    # decode continues from prompt + [t1] (serving/first_token.py); "decode" = the decode samples it
+    first_token: str = "prefill"
 
     def validate(self) -> None:
         if self.transfer_mode not in TRANSFER_MODES:
             raise ValueError(f"--transfer-mode must be one of {', '.join(TRANSFER_MODES)}, "
                              f"not {self.transfer_mode!r}")
+        if self.first_token not in FIRST_TOKEN_MODES:
+            raise ValueError(f"--first-token must be prefill or decode, not {self.first_token!r}")
         if self.register_timeout_s <= 0:
             raise ValueError("--register-timeout must be positive")
         if self.transfer_timeout_s is not None and not (math.isfinite(self.transfer_timeout_s)

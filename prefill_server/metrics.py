@@ -32,6 +32,9 @@ class Metrics:
         self.queue_depth = Gauge(p + "num_requests_waiting", "Requests waiting for the engine", registry=r)
         self.running = Gauge(p + "num_requests_running", "Requests being prefilled", registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens_total", "Prompt tokens prefilled", registry=r)
+        self.first_token = Counter(p + "first_token_total", "Gateway requests by who sampled the "
+                                   "first token: prefill (greedy, --first-token prefill) or decode",
+                                   ["sampled_by"], registry=r)
         self.requests = Counter(p + "requests_total", "Requests finished, by outcome", ["outcome"],
                                 registry=r)
 

@@ -43,7 +43,7 @@ import torch
 
 from prefill_server.engine.kv_pool import KVPool
 from prefill_server.engine.runner import ModelRunner
-from prefill_server.engine.sampling import sample_first_token
+from prefill_server.engine.sampling import MAX_LOGPROBS, first_token_logprobs, sample_first_token
 from prefill_server.engine.scheduler import Scheduler, Sequence
 from prefill_server.engine.types import PrefillRequest, PrefillResult, Timings
 from prefill_server.errors import (InvalidRequest, PoolExhausted, PromptTooLong, RequestCancelled,
@@ -103,6 +103,8 @@ class Engine:
             raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
                                  field="prompt")
         req.sampling.validate()
+        if req.num_logprobs is not None and not 0 <= req.num_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest(f"logprobs must be between 0 and {MAX_LOGPROBS}", field="logprobs")
         if req.push and not self.supports_push:
             raise InvalidRequest("this server's transfer mode does not stream KV (push); start it "
                                  "with --transfer-mode connector", field="transfer_mode")
@@ -206,6 +208,7 @@ class Engine:
         req = seq.request
         try:
             token = sample_first_token(logits, req.sampling)
+            logprobs = None if req.num_logprobs is None else first_token_logprobs(logits, token, req.num_logprobs)
             if seq.push:  # every layer's WRITE done; an abort meanwhile stops the wait at once
                 self.producer.finish(req.request_id, stop=lambda: seq.abort_requested)
                 blocks, seq.block_ids = seq.block_ids, []
@@ -231,7 +234,7 @@ class Engine:
         m.prompt_tokens.inc(seq.num_tokens)
         m.kv_bytes.inc(self.pool.blocks_needed(seq.num_tokens) * self.pool.block_bytes * self.pool.num_layers)
         m.requests.labels("ok").inc()
-        result = PrefillResult(req.request_id, token, seq.num_tokens, 0, params, timings)
+        result = PrefillResult(req.request_id, token, seq.num_tokens, 0, params, timings, logprobs)
         if not seq.future.set_running_or_notify_cancel():
             self.producer.abort(req.request_id)  # the caller went away: free at once
             return

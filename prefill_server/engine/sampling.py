@@ -28,3 +28,17 @@ def sample_first_token(logits: torch.Tensor, params: SamplingParams) -> int:
     else:
         gen.seed()
     return int(torch.multinomial(probs.cpu(), 1, generator=gen))
+
+
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+
+
+def first_token_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[tuple[int, float], ...]:
+    """logits [V] float32 -> ((token, logprob), (top-1 id, logprob), ..., (top-k id, logprob)),
+    computed as vLLM's sampler does (raw logits, float32 log_softmax, torch.topk)."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    out = [(token, float(logprobs[token]))]
+    if k > 0:
+        vals, ids = torch.topk(logprobs, min(k, logprobs.numel()))
+        out += [(int(i), float(v)) for i, v in zip(ids.tolist(), vals.tolist())]
+    return tuple(out)

@@ -30,6 +30,7 @@ class PrefillRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams = SamplingParams()
     push: bool = False  # connector mode: stream each layer into the decode's blocks (one step)
+    num_logprobs: int | None = None  # first token's logprobs: None = none, k = sampled + top k
 
 
 @dataclass
@@ -50,3 +51,5 @@ class PrefillResult:
     num_cached_tokens: int
     kv_transfer_params: dict
     timings: Timings = field(default_factory=Timings)
+    # ((token id, logprob), ...): the sampled token first, then the top num_logprobs (vLLM's order)
+    first_logprobs: tuple[tuple[int, float], ...] | None = None

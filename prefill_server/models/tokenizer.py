@@ -47,6 +47,7 @@ class Tokenizer:
         self.clean_up_tokenization_spaces = bool(cfg.get("clean_up_tokenization_spaces", False))
         self.chat_template = self._load_chat_template(path, cfg)
         self._compiled = None
+        self._space_marker = _leading_space_marker(json.loads(self._tok.to_str()))
 
     @staticmethod
     def _load_chat_template(path: pathlib.Path, cfg: dict) -> str | None:
@@ -81,6 +82,27 @@ class Tokenizer:
                          (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
                 text = text.replace(a, b)
         return text
+
+    def token_string(self, token_id: int) -> str:
+        """One token's text as vLLM shows it in logprobs: decode([id]), with the leading spaces a
+        SentencePiece (Metaspace) decode strips from a piece put back."""
+        text = self.decode([token_id])
+        if self._space_marker is None:
+            return text
+        raw = self._tok.id_to_token(token_id) or ""
+        markers = len(raw) - len(raw.lstrip(self._space_marker))
+        missing = markers - (len(text) - len(text.lstrip(" ")))
+        return " " * missing + text if missing > 0 else text
+
+    def continuation_text(self, context_ids: list[int], token_id: int, skip_special_tokens: bool = True) -> str | None:
+        """The text ``token_id`` adds after ``context_ids`` (as an incremental detokenizer shows it),
+        or None where that is not a whole piece of text (an incomplete UTF-8 character)."""
+        ctx = list(context_ids[-6:])
+        before = self.decode(ctx, skip_special_tokens)
+        after = self.decode(ctx + [token_id], skip_special_tokens)
+        if not after.startswith(before) or "\ufffd" in after[len(before):]:
+            return None
+        return after[len(before):]
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:
@@ -123,6 +145,15 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
                 raise InvalidRequest(f"messages[{i}].{key} must be a string ({got})", field="messages")
         out.append({k: v for k, v in m.items() if v is not None})
     return out
+
+
+def _leading_space_marker(tokenizer_json: dict) -> str | None:
+    """The Metaspace replacement character (SentencePiece's '▁') if the pre-tokenizer has one."""
+    pre = tokenizer_json.get("pre_tokenizer") or {}
+    for p in [pre, *(pre.get("pretokenizers") or [])]:
+        if p.get("type") == "Metaspace":
+            return p.get("replacement", "▁")
+    return None
 
 
 class _GenerationTag(jinja2.ext.Extension):

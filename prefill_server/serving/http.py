@@ -12,6 +12,7 @@ import math
 import time
 import uuid
 from itertools import compress, repeat
+from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -19,6 +20,7 @@ from starlette.exceptions import HTTPException
 
 from prefill_server.engine.types import PrefillResult, SamplingParams
 from prefill_server.errors import InvalidRequest, PrefillError, Unauthenticated
+from prefill_server.serving import first_token as ft
 from prefill_server.serving import openai_schema as schema
 from prefill_server.serving.proxy import DecodeClient
 from prefill_server.serving.service import PrefillService
@@ -157,7 +159,8 @@ def create_app(service: PrefillService, decode: DecodeClient | None, api_key: st
         service.check_model(body.model)
         token_ids = service.encode_prompt(schema.single_prompt(body.prompt))
         out = dict(raw, prompt=token_ids)  # the decode gets exactly the tokens we prefilled
-        return await run(request, "/v1/completions", out, token_ids, sampling_of(body), body.stream)
+        return await run(request, "/v1/completions", out, token_ids, sampling_of(body), body.stream,
+                         first_plan("completion", raw))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -166,19 +169,31 @@ def create_app(service: PrefillService, decode: DecodeClient | None, api_key: st
         service.check_model(body.model)
         kwargs = {"tools": body.tools} if body.tools else {}
         token_ids = service.encode_chat(schema.chat_messages(body), **kwargs)
-        return await run(request, "/v1/chat/completions", dict(raw), token_ids, sampling_of(body), body.stream)
+        return await run(request, "/v1/chat/completions", dict(raw), token_ids, sampling_of(body), body.stream,
+                         first_plan("chat", raw))
+
+    def first_plan(kind: str, raw: dict) -> ft.Plan | None:
+        if service.first_token != "prefill" or service.transfer_mode != "nixl-compat":
+            return None
+        return ft.plan(kind, raw)
 
     async def run(request: Request, path: str, out: dict, token_ids: list[int], sampling: SamplingParams,
-                  stream: bool) -> Response:
+                  stream: bool, plan: ft.Plan | None = None) -> Response:
         t0 = time.monotonic()
         if service.transfer_mode == "connector":
             return await run_push(path, out, token_ids, sampling, stream, t0)
-        result = await service.prefill(token_ids, sampling)
+        result = await service.prefill(token_ids, sampling, num_logprobs=plan.num_logprobs if plan else None)
         if decode is None:  # transfer mode "local": answer with the first token only
             service.release(result.request_id)
             return JSONResponse(_local_answer(service, path, result))
+        first = plan and ft.first_token(plan, service.tokenizer, service.eos_token_ids, token_ids,
+                                        result.first_token_id, result.first_logprobs, service.info.max_model_len)
+        metrics.first_token.labels("prefill" if first else "decode").inc()
+        if first:  # the decode continues from prompt + [t1] (serving/first_token.py)
+            path, out = "/v1/completions", first.decode_body(token_ids, service.info.served_name,
+                                                              result.kv_transfer_params)
         return await to_decode(path, out, result.request_id, result.kv_transfer_params, len(token_ids),
-                               stream, t0)
+                               stream, t0, first=first)
 
     async def run_push(path: str, out: dict, token_ids: list[int], sampling: SamplingParams, stream: bool,
                        t0: float) -> Response:
@@ -189,9 +204,11 @@ def create_app(service: PrefillService, decode: DecodeClient | None, api_key: st
         return await to_decode(path, out, rid, params, len(token_ids), stream, t0, prefill)
 
     async def to_decode(path: str, out: dict, rid: str, params: dict, n_tokens: int, stream: bool,
-                        t0: float, prefill: asyncio.Future | None = None) -> Response:
-        """Send the request to the decode with kv_transfer_params and relay its answer. Whenever
-        the decode will not use our KV (unreachable, refused, client gone), free it at once."""
+                        t0: float, prefill: asyncio.Future | None = None,
+                        first: ft.FirstToken | None = None) -> Response:
+        """Send the request to the decode with kv_transfer_params and relay its answer (with
+        ``first``: t1 first, then the decode's continuation, rewritten). Whenever the decode will not
+        use our KV (unreachable, refused, client gone), free it at once."""
         out["kv_transfer_params"] = params
         out.setdefault("model", service.info.served_name)
         try:
@@ -203,7 +220,9 @@ def create_app(service: PrefillService, decode: DecodeClient | None, api_key: st
                     service.release(rid)
                     return Response(content, resp.status_code, media_type="application/json")
                 metrics.e2e_time.observe(time.monotonic() - t0)
-                return StreamingResponse(decode.relay(resp), media_type="text/event-stream")
+                relay = (_relay_first(first.stream_start(), resp, service.info.served_name) if first
+                         else decode.relay(resp))
+                return StreamingResponse(relay, media_type="text/event-stream")
             resp = await decode.post(path, out)
         except BaseException:  # unreachable decode, client gone
             service.release(rid)
@@ -220,10 +239,24 @@ def create_app(service: PrefillService, decode: DecodeClient | None, api_key: st
                     raise PrefillError(f"the prefill failed ({type(e).__name__}: {e}); the decode "
                                        "could not use its KV") from e
         metrics.e2e_time.observe(time.monotonic() - t0)
+        if first and resp.status_code < 400:
+            _check_prompt_tokens(resp, n_tokens + 1, rid)
+            return JSONResponse(first.merge(resp.json()))
         _check_prompt_tokens(resp, n_tokens, rid)
         return Response(resp.content, resp.status_code, media_type="application/json")
 
     return app
+
+
+async def _relay_first(state: ft.StreamState, resp, model: str) -> AsyncIterator[bytes]:
+    """t1's events first, then the decode's, rewritten (serving/first_token.py)."""
+    try:
+        yield state.first(model)
+        async for line in resp.aiter_lines():
+            if line.startswith("data:"):
+                yield state.event(line[5:].strip())
+    finally:
+        await resp.aclose()
 
 
 def _consume(fut) -> None:

@@ -25,9 +25,13 @@ class ModelInfo:
 
 
 class PrefillService:
-    def __init__(self, engine: Engine, tokenizer, info: ModelInfo, transfer_mode: str):
+    def __init__(self, engine: Engine, tokenizer, info: ModelInfo, transfer_mode: str,
+                 first_token: str = "prefill", eos_token_ids: tuple[int, ...] = ()):
         self.engine, self.tokenizer, self.info = engine, tokenizer, info
         self.transfer_mode = transfer_mode
+        self.first_token = first_token  # "prefill" | "decode" (config.ServerConfig.first_token)
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.eos_token_ids = tuple(eos_token_ids) + ((eos,) if eos is not None and eos not in eos_token_ids else ())
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in (self.info.served_name, self.info.path):
@@ -46,10 +50,11 @@ class PrefillService:
         return self.tokenizer.encode(text, add_special_tokens=False)  # the template holds the specials
 
     async def prefill(self, token_ids: list[int], sampling: SamplingParams = SamplingParams(),
-                      request_id: str | None = None) -> PrefillResult:
-        """Prefill and publish the KV; cancelling the awaiting task frees everything at once."""
+                      request_id: str | None = None, num_logprobs: int | None = None) -> PrefillResult:
+        """Prefill and publish the KV; cancelling the awaiting task frees everything at once.
+        num_logprobs: also return the first token's logprobs (sampled + top num_logprobs)."""
         rid = request_id or f"pf-{uuid.uuid4().hex}"
-        fut = self.engine.submit(PrefillRequest(rid, tuple(token_ids), sampling))
+        fut = self.engine.submit(PrefillRequest(rid, tuple(token_ids), sampling, num_logprobs=num_logprobs))
         try:
             return await asyncio.wrap_future(fut)
         except asyncio.CancelledError:

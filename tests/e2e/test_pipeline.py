@@ -138,9 +138,12 @@ def test_bad_input_keeps_serving_and_leaks_nothing(vllm_decode, fp32_gateway):
         r = httpx.post(url + path, json=body, timeout=60)
         assert r.status_code == status, (body, r.text)
         assert r.json()["error"]["message"]
-    # a request the decode itself refuses (its own validation) frees our KV at once
-    r = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 100000}, timeout=60)
-    assert 400 <= r.status_code < 500, r.text
+    # a request the decode itself refuses (its own validation) frees our KV at once, whether the
+    # decode samples the first token (temperature absent) or continues from ours (temperature 0)
+    for extra in ({}, {"temperature": 0}):
+        r = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 100000, **extra},
+                       timeout=60)
+        assert 400 <= r.status_code < 500, r.text
     r = httpx.post(url + "/v1/completions", content=b"{oops", timeout=60)
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     p = all_prompts()[0]
@@ -162,6 +165,67 @@ def test_streaming_matches_non_streaming(vllm_decode, fp32_gateway):
                 delta = json.loads(line[6:])["choices"][0]["delta"]
                 text += delta.get("content") or ""
     assert text == whole["choices"][0]["message"]["content"] and text
+    assert fp32_gateway.wait_pool_empty() == 0
+
+
+def _sse(r: httpx.Response) -> list[dict]:
+    return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def _first_token_count(url: str, who: str) -> float:
+    m = re.search(rf'^prefill_server:first_token_total{{sampled_by="{who}"}} (\S+)$',
+                  httpx.get(url + "/metrics").text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_first_token_from_prefill_answers_like_vllm_alone(vllm_decode, fp32_gateway):
+    """Greedy requests take t1 from our prefill and the decode continues from prompt + [t1]
+    (serving/first_token.py): the client's answer (text, logprobs, usage, finish reason; streamed
+    or not) is vLLM alone's. --first-token decode (the decode samples t1) gives the same tokens."""
+    model = vllm_decode.served_model_name()
+    plain = next(p for p in all_prompts() if p.kind == "plain" and p.approx_tokens >= 150)
+    chat = next(p for p in all_prompts() if p.kind == "chat")
+    before = _first_token_count(fp32_gateway.url, "prefill")
+    for p in (plain, chat):
+        alone = post_prompt(vllm_decode.url, p, model).json()
+        ours = post_prompt(fp32_gateway.url, p).json()
+        a, o = alone["choices"][0], ours["choices"][0]
+        assert ours["usage"]["prompt_tokens"] == alone["usage"]["prompt_tokens"]
+        assert ours["usage"]["completion_tokens"] == alone["usage"]["completion_tokens"]
+        assert o["finish_reason"] == a["finish_reason"]
+        if p.kind == "plain":
+            assert o["text"] == a["text"]
+            for key in ("tokens", "text_offset"):
+                assert o["logprobs"][key] == a["logprobs"][key], key
+            assert o["logprobs"]["token_logprobs"] == pytest.approx(a["logprobs"]["token_logprobs"], abs=2e-3)
+            assert [list(d) for d in o["logprobs"]["top_logprobs"]] == [list(d) for d in a["logprobs"]["top_logprobs"]]
+        else:
+            assert o["message"]["content"] == a["message"]["content"]
+            strip = lambda c: [(x["token"], x["bytes"], [t["token"] for t in x["top_logprobs"]]) for x in c]
+            assert strip(o["logprobs"]["content"]) == strip(a["logprobs"]["content"])
+        # streamed, with usage: the same text and counts, every chunk one id
+        path = "/v1/completions" if p.kind == "plain" else "/v1/chat/completions"
+        body = ({"prompt": p.text} if p.kind == "plain" else {"messages": p.chat()}) | {
+            "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", fp32_gateway.url + path, json=body, timeout=600) as r:
+            assert r.status_code == 200
+            events = _sse(r)
+        assert len({e["id"] for e in events}) == 1
+        pieces = [c.get("text") if p.kind == "plain" else c["delta"].get("content")
+                  for e in events for c in e["choices"]]
+        whole = a["text"] if p.kind == "plain" else a["message"]["content"]
+        assert "".join(x or "" for x in pieces) == whole
+        assert events[-1]["usage"]["prompt_tokens"] == alone["usage"]["prompt_tokens"]
+        assert events[-1]["usage"]["completion_tokens"] == alone["usage"]["completion_tokens"]
+    assert _first_token_count(fp32_gateway.url, "prefill") == before + 4
+    svc = fp32_gateway.service
+    svc.first_token = "decode"
+    try:
+        before = _first_token_count(fp32_gateway.url, "decode")
+        assert [t for t, _ in ask(fp32_gateway.url, plain)] == [t for t, _ in ask(vllm_decode.url, plain, model)]
+        assert _first_token_count(fp32_gateway.url, "decode") == before + 1
+    finally:
+        svc.first_token = "prefill"
     assert fp32_gateway.wait_pool_empty() == 0
 
 

@@ -1,0 +1,288 @@
+"""The first token from our prefill (``--first-token prefill``, the default for greedy requests).
+
+vLLM's scheduler always computes a prompt's last token on the decode, in a 1-token step, where vLLM
+serving alone computes it inside the prompt's step. In bf16 the two steps round differently, and at
+an exact tie between the top two tokens they pick different first tokens. So for a greedy request
+the gateway takes the first token t1 from our prefill (the same bits as vLLM alone's prefill), sends
+it to the client as soon as the decode has accepted the rest, and asks the decode (stock
+``/v1/completions``, prompt token ids) for prompt + [t1] with one token fewer. The decode loads our
+KV for the prompt (``remote_num_tokens`` = the prompt's length) and computes t1's position in a
+1-token step, exactly as vLLM alone's first decode step does. Chat requests go the same way; the
+decode's completion is turned back into a chat completion here.
+
+A request takes this path only where that changes nothing the client can see: temperature 0, one
+choice, no penalties, stop strings, logit bias, structured output, tools, echo or extra chat
+options (``plan`` lists what is allowed), and a t1 that does not end the request and is whole text.
+Every other request goes the ordinary way (the decode samples t1 itself).
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from prefill_server.engine.sampling import MAX_LOGPROBS, SAMPLING_EPS
+
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stream",
+           "stream_options", "n", "user", "ignore_eos", "skip_special_tokens",
+           "spaces_between_special_tokens", "frequency_penalty", "presence_penalty",
+           "repetition_penalty", "stop", "stop_token_ids", "return_tokens_as_token_ids", "logprobs"}
+_ALLOWED = {"completion": _COMMON | {"prompt", "echo", "best_of"},
+            "chat": _COMMON | {"messages", "top_logprobs", "max_completion_tokens"}}
+# Fields the decode must see as given (the rest of the decode's body is built here).
+_PASSED = ("temperature", "top_p", "top_k", "min_p", "seed", "user", "ignore_eos", "skip_special_tokens",
+           "spaces_between_special_tokens", "stop_token_ids")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A request that may take its first token from the prefill (decided before the prefill)."""
+
+    kind: str  # "completion" | "chat"
+    body: dict  # the client's JSON body
+    max_tokens: int | None  # None: the decode's default (up to the context)
+    num_logprobs: int | None  # logprobs asked for: None = none, k = top k (+ the sampled token)
+    as_token_ids: bool  # the client asked for "token_id:N" strings
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+
+def plan(kind: str, body: dict) -> Plan | None:
+    """The plan for a validated request body, or None when it must go the ordinary way."""
+    if not set(body) <= _ALLOWED[kind]:
+        return None
+    g = body.get
+    temperature = g("temperature")
+    if not isinstance(temperature, (int, float)) or temperature >= SAMPLING_EPS:
+        return None  # not greedy (an absent temperature takes the model's default, not 0)
+    if g("n", 1) != 1 or g("best_of") not in (None, 1) or g("echo"):
+        return None
+    if g("frequency_penalty") not in (None, 0) or g("presence_penalty") not in (None, 0) \
+            or g("repetition_penalty") not in (None, 1):
+        return None  # penalties would have changed t1 or count it differently as prompt
+    if g("stop") not in (None, "", []):
+        return None  # a stop string could end in t1 or span it and the next token
+    so = g("stream_options")
+    if so is not None and not (isinstance(so, dict) and set(so) <= {"include_usage", "continuous_usage_stats"}):
+        return None
+    if not isinstance(g("stop_token_ids", []), (list, type(None))):
+        return None
+    max_tokens = g("max_completion_tokens") if kind == "chat" and g("max_completion_tokens") is not None \
+        else g("max_tokens")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 2):
+        return None
+    if kind == "chat":
+        num_logprobs = None
+        if g("logprobs") is True:
+            num_logprobs = g("top_logprobs") or 0
+        elif g("logprobs") not in (None, False) or g("top_logprobs") is not None:
+            return None
+    else:
+        num_logprobs = g("logprobs")
+    if num_logprobs is not None and (not isinstance(num_logprobs, int) or isinstance(num_logprobs, bool)
+                                     or not 0 <= num_logprobs <= MAX_LOGPROBS):
+        return None
+    as_ids = g("return_tokens_as_token_ids")
+    if as_ids not in (None, True, False):
+        return None
+    return Plan(kind, body, max_tokens, num_logprobs, bool(as_ids))
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """t1 as the prefill sampled it, and how the rest of the answer is put together."""
+
+    plan: Plan
+    token_id: int
+    text: str
+    logprobs: tuple[tuple[int, float], ...] | None  # (sampled, lp), then the top k
+    num_prompt_tokens: int
+    tokenizer: Any
+
+    # ---- the decode's request ----
+    def decode_body(self, prompt_ids: list[int], served_name: str, kv_transfer_params: dict) -> dict:
+        b, p = self.plan.body, self.plan
+        out = {k: b[k] for k in _PASSED if k in b}
+        out |= {"model": b.get("model") or served_name, "prompt": [*prompt_ids, self.token_id],
+                "stream": p.stream, "kv_transfer_params": kv_transfer_params}
+        if p.max_tokens is not None:
+            out["max_tokens"] = p.max_tokens - 1
+        if "stream_options" in b:
+            out["stream_options"] = b["stream_options"]
+        if p.num_logprobs is not None:  # as ids: strings are made here, for both kinds
+            out["logprobs"] = p.num_logprobs
+            out["return_tokens_as_token_ids"] = True
+        return out
+
+    # ---- pieces ----
+    def _tok(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self.plan.as_token_ids else self.tokenizer.token_string(token_id)
+
+    def _entries(self, token_logprob: dict) -> list[tuple[int, float]]:
+        return [(_token_id(k), v) for k, v in token_logprob.items()]
+
+    def _first_entries(self) -> list[tuple[int, float]]:
+        """(sampled, lp) then top k, duplicates merged in place, as vLLM's dict keeps them."""
+        merged: dict[int, float] = {}
+        for tid, lp in self.logprobs or ():
+            merged[tid] = lp
+        return list(merged.items())
+
+    def _completion_lp(self, tokens: list[int], lps: list[float], tops: list[list[tuple[int, float]]],
+                       offset: int) -> tuple[dict, int]:
+        """Completion logprobs for these tokens, text offsets from ``offset``; returns the next one."""
+        out = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+        for tid, lp, top in zip(tokens, lps, tops):
+            s = self._tok(tid)
+            out["text_offset"].append(offset)
+            out["tokens"].append(s)
+            out["token_logprobs"].append(max(lp, -9999.0))
+            out["top_logprobs"].append({self._tok(t): max(v, -9999.0) for t, v in top})
+            offset += len(s)
+        return out, offset
+
+    def _chat_lp(self, tokens: list[int], lps: list[float], tops: list[list[tuple[int, float]]]) -> dict:
+        k = self.plan.num_logprobs or 0
+        content = []
+        for tid, lp, top in zip(tokens, lps, tops):
+            s = self._tok(tid)
+            content.append({"token": s, "logprob": max(lp, -9999.0), "bytes": _bytes(s),
+                            "top_logprobs": [{"token": (t := self._tok(i)), "logprob": max(v, -9999.0),
+                                              "bytes": _bytes(t)} for i, v in top[:k]]})
+        return {"content": content}
+
+    def _decode_lp(self, lp: dict | None) -> tuple[list[int], list[float], list[list[tuple[int, float]]]]:
+        if not lp:
+            return [], [], []
+        return ([_token_id(t) for t in lp["tokens"]], [v if v is not None else -9999.0 for v in lp["token_logprobs"]],
+                [self._entries(d or {}) for d in lp["top_logprobs"]])
+
+    def _first_lp(self) -> tuple[list[int], list[float], list[list[tuple[int, float]]]]:
+        return [self.token_id], [self.logprobs[0][1]], [self._first_entries()]
+
+    # ---- non-streamed answers ----
+    def merge(self, resp: dict) -> dict:
+        """The decode's completion of prompt + [t1] -> the client's answer, t1 included."""
+        choice = resp["choices"][0]
+        usage = _usage(resp.get("usage"))
+        logprobs = None
+        if self.plan.num_logprobs is not None:
+            t, l, tops = self._first_lp()
+            dt, dl, dtops = self._decode_lp(choice.get("logprobs"))
+            t, l, tops = t + dt, l + dl, tops + dtops
+            logprobs = (self._chat_lp(t, l, tops) if self.plan.kind == "chat"
+                        else self._completion_lp(t, l, tops, 0)[0])
+        text = self.text + (choice.get("text") or "")
+        finish = {"finish_reason": choice.get("finish_reason"), "stop_reason": choice.get("stop_reason")}
+        base = {"id": resp.get("id"), "created": resp.get("created"), "model": resp.get("model"),
+                "usage": usage, "system_fingerprint": resp.get("system_fingerprint")}
+        if self.plan.kind == "completion":
+            return {**base, "object": "text_completion",
+                    "choices": [{"index": 0, "text": text, "logprobs": logprobs, **finish}]}
+        base["id"] = "chatcmpl-" + str(base["id"] or uuid.uuid4().hex).removeprefix("cmpl-")
+        return {**base, "object": "chat.completion",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "logprobs": logprobs, **finish}]}
+
+    # ---- streamed answers ----
+    def stream_start(self) -> "StreamState":
+        return StreamState(self)
+
+
+class StreamState:
+    """Turns the decode's SSE events into the client's, t1 first."""
+
+    def __init__(self, ft: FirstToken):
+        self.ft = ft
+        self.id = ("chatcmpl-" if ft.plan.kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model: str | None = None  # the served name (as the decode names it)
+        self.offset = 0  # completion logprobs: text offset of the next token
+
+    def _chunk(self, choices: list[dict], **extra) -> bytes:
+        obj = "chat.completion.chunk" if self.ft.plan.kind == "chat" else "text_completion"
+        ev = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+              "choices": choices, **extra}
+        return b"data: " + json.dumps(ev, ensure_ascii=False).encode() + b"\n\n"
+
+    def _choice(self, text: str, tokens: tuple, finish: dict | None) -> dict:
+        ft = self.ft
+        lp = None
+        if ft.plan.num_logprobs is not None:
+            if ft.plan.kind == "chat":
+                lp = ft._chat_lp(*tokens)
+            else:
+                lp, self.offset = ft._completion_lp(*tokens, self.offset)
+        fin = finish or {"finish_reason": None}
+        if ft.plan.kind == "chat":
+            return {"index": 0, "delta": {"content": text}, "logprobs": lp, **fin}
+        return {"index": 0, "text": text, "logprobs": lp, **fin}
+
+    def first(self, model: str) -> bytes:
+        """The events sent before any of the decode's: (chat: the role) then t1."""
+        self.model = model
+        ft, out = self.ft, b""
+        if ft.plan.kind == "chat":
+            out += self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None}])
+        tokens = ft._first_lp() if ft.plan.num_logprobs is not None else None
+        return out + self._chunk([self._choice(ft.text, tokens, None)])
+
+    def event(self, data: str) -> bytes:
+        """One of the decode's ``data:`` payloads -> the client's event(s)."""
+        try:
+            ev = json.loads(data)
+        except ValueError:  # [DONE], or anything else that is not an event to rewrite
+            return b"data: " + data.encode() + b"\n\n"
+        if not isinstance(ev, dict) or "error" in ev:
+            return b"data: " + json.dumps(ev).encode() + b"\n\n"
+        extra = {}
+        if ev.get("usage") is not None:
+            extra["usage"] = _usage(ev["usage"])
+        choices = []
+        for c in ev.get("choices") or []:
+            tokens = self.ft._decode_lp(c.get("logprobs")) if self.ft.plan.num_logprobs is not None else None
+            finish = {"finish_reason": c.get("finish_reason")}
+            if c.get("finish_reason") is not None:
+                finish["stop_reason"] = c.get("stop_reason")
+            choices.append(self._choice(c.get("text") or "", tokens, finish))
+        return self._chunk(choices, **extra)
+
+
+def _usage(u: dict | None) -> dict | None:
+    """The decode counted t1 as prompt; the client's answer counts it as completion."""
+    if not u:
+        return u
+    u = dict(u)
+    u["prompt_tokens"] = u.get("prompt_tokens", 1) - 1
+    u["completion_tokens"] = u.get("completion_tokens", 0) + 1
+    return u
+
+
+def _token_id(s: str) -> int:
+    return int(s.removeprefix("token_id:"))
+
+
+def _bytes(s: str) -> list[int]:
+    return list(s.encode("utf-8", errors="replace"))
+
+
+def first_token(p: Plan, tokenizer, eos_ids: tuple[int, ...], prompt_ids: list[int], token_id: int,
+                logprobs, max_model_len: int) -> FirstToken | None:
+    """t1 as the client will see it, or None when t1 cannot be sent ahead (it ends the request, it
+    is not whole text, or prompt + [t1] would not fit the decode's context)."""
+    b = p.body
+    if (token_id in eos_ids and not b.get("ignore_eos")) or token_id in (b.get("stop_token_ids") or ()):
+        return None
+    if len(prompt_ids) + 2 > max_model_len:
+        return None
+    text = tokenizer.continuation_text(prompt_ids, token_id, b.get("skip_special_tokens", True) is not False)
+    if not text:
+        return None  # an incomplete character, or a special token the answer would not show
+    if p.num_logprobs is not None and not logprobs:
+        return None
+    return FirstToken(p, token_id, text, logprobs, len(prompt_ids), tokenizer)
