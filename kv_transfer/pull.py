@@ -12,6 +12,9 @@ Per request (prefill ``TransferState``)::
     decode --Fetch--> side channel: lease extended to lease_ttl_s, signed Offer back
     decode ==READ with notification "psv1 read rid <token>"==> RELEASED (lease ends, blocks freed)
     lease deadline passes: EXPIRED (blocks freed), the decode gets "psv1 fail rid ..."
+    computed first (``Engine`` request with ``pull_later``): hold(rid, blocks) -> LEASED with no
+    decode yet; a later Register{pull, same num_tokens} attaches its decode (``attach``): the
+    "ready" notification goes then and the rest is as above; nobody registers: EXPIRED
     Cancel from the decode: ABORTED, freed at once (the decode sends it only with no READ in flight)
     abort on the prefill: ABORTED; freed at once unless the Offer went out (a READ may be in flight:
     then the blocks stay leased until the "read" notification or the deadline)
@@ -43,7 +46,7 @@ Notify = Callable[[str, bytes], None]  # (remote agent name, message)
 @dataclass
 class _Lease:
     request_id: str
-    remote: str  # the decode's NIXL agent
+    remote: str  # the decode's NIXL agent ("": computed first, no decode registered yet)
     num_tokens: int
     token: str = ""  # set once the Offer went out
     aborted: str = ""  # aborted on the prefill after the Offer: freed by the READ's notification
@@ -78,11 +81,49 @@ class PullLeases:
         self._leases[request_id] = _Lease(request_id, remote, num_tokens)
         self._stats.add(published_total=1, bytes_offered_total=self._bytes(num_tokens))
 
+    def hold(self, request_id: str, block_ids: list[int], num_tokens: int) -> None:
+        """Lease ``block_ids`` (they hold the prompt's KV) for a decode that registers later
+        (``attach``); until then nobody is told, and the lease's deadline frees them."""
+        self.pool.lease(request_id, block_ids, self.lease_ttl_s, num_tokens)
+        self._leases[request_id] = _Lease(request_id, "", num_tokens)
+        self._stats.add(published_total=1, bytes_offered_total=self._bytes(num_tokens))
+
+    def is_unattached(self, request_id: str) -> bool:
+        """A lease from ``hold`` that no decode has registered for yet."""
+        lz = self._leases.get(request_id)
+        return lz is not None and not lz.remote and not lz.aborted
+
+    def attach_refusal(self, request_id: str, mode: str, num_tokens: int) -> str | None:
+        """Why a decode's Register (``mode``, ``num_tokens``) cannot have a held lease, or None."""
+        lz = self._leases.get(request_id)
+        if lz is None or lz.remote or lz.aborted:
+            return f"request {request_id} has no KV leased here awaiting a decode (already registered?)"
+        if mode != "pull":
+            return (f"request {request_id} was computed before its decode registered: its KV can only "
+                    f"be pulled (register with transfer_mode \"pull\", not {mode!r})")
+        if num_tokens != lz.num_tokens:
+            return (f"the decode asks for {num_tokens} tokens, the prefill computed {lz.num_tokens}: "
+                    "pass kv_transfer_params' num_tokens unchanged")
+        return None
+
+    def attach(self, request_id: str, remote: str, notify: Notify) -> str | None:
+        """A decode registered for a held lease (``attach_refusal`` said yes): tell it to fetch.
+        The lease's clock restarts (the decode may have come late in it). Why not, or None."""
+        try:
+            notify(remote, wire.ready_notif(request_id))
+        except Exception as e:  # noqa: BLE001 - the lease stays, unattached, until its deadline
+            return f"could not notify the decode: {type(e).__name__}: {e}"
+        self._leases[request_id].remote = remote
+        self.pool.extend(request_id, self.lease_ttl_s)
+        return None
+
     def offer(self, fetch: wire.Fetch, agent_name: str, agent_metadata: bytes) -> wire.Offer | str:
         """The (unsigned) Offer answering ``fetch``, or why there is none. Extends the lease."""
         lz, lease = self._leases.get(fetch.request_id), self.pool.get_lease(fetch.request_id)
         if lz is None or lease is None or lz.aborted:
             return f"request {fetch.request_id} has no KV leased here (never published, freed or expired)"
+        if not lz.remote:  # (only a decode that registered for it may READ it)
+            return f"request {fetch.request_id}: no decode has registered for its KV"
         self.pool.extend(fetch.request_id, self.lease_ttl_s)
         lz.token = lz.token or secrets.token_hex(16)
         p = self.pool
@@ -161,6 +202,8 @@ class PullLeases:
 
 
 def _tell(notify: Notify, lz: _Lease, reason: str) -> None:
+    if not lz.remote:
+        return  # no decode registered: nobody to tell
     try:
         notify(lz.remote, wire.fail_notif(lz.request_id, reason))
     except Exception:  # noqa: BLE001 - the decode's timeout covers it

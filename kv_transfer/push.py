@@ -42,6 +42,11 @@ on serving other decodes meanwhile.
 Pull fallback: a Register with ``transfer_mode="pull"`` makes the request an ordinary prefill
 (``wants_pull``); the engine then hands its blocks to ``publish`` and ``kv_transfer.pull.PullLeases``
 (sharing this side channel and NIXL agent) leases them until the decode has READ them.
+Computed first (``hold``): the engine computes a request before any decode knows of it (the
+gateway wants the first token before it calls the decode) and leases its blocks; the decode's
+Register, asking pull for the same number of tokens, comes later and is served from the lease as
+above (``PullLeases.attach``). Such a request never waits for a Register, so the register timeout
+does not apply: the lease's deadline bounds it.
 Page layouts: the decode names its own and gives its strides; ``kv_transfer.layout`` builds the
 descriptors for it.
 """
@@ -70,6 +75,11 @@ from prefill_server.errors import InvalidRequest, RequestCancelled, TransferErro
 log = logging.getLogger(__name__)
 
 PARAMS_KEY = "prefill_server"  # kv_transfer_params[PARAMS_KEY] marks a request for our connector
+
+
+def _check_request_id(request_id: str) -> None:
+    if not request_id or " " in request_id or len(request_id) > 200:
+        raise InvalidRequest("request id must be 1-200 characters without spaces", field="request_id")
 
 
 def coalesced_descs(src_addr: np.ndarray, dst_addr: np.ndarray, page_bytes: int, src_dev: int,
@@ -220,17 +230,12 @@ class PushProducer:
     def expect(self, request_id: str, num_tokens: int) -> dict[str, Any]:
         """Announce a request whose decode will register; returns the ``kv_transfer_params`` the
         decode request must carry."""
-        if not self._started:
-            raise RuntimeError("PushProducer.expect before start()")
-        if not request_id or " " in request_id or len(request_id) > 200:
-            raise InvalidRequest("request id must be 1-200 characters without spaces", field="request_id")
+        self._check_new("expect", request_id)
         with self._lock:
-            if request_id in self._reqs:
-                raise InvalidRequest(f"request {request_id} is already expected", field="request_id")
+            self._refuse_taken(request_id)
             self._reqs[request_id] = _Push(request_id, num_tokens)
             self._finished.pop(request_id, None)
-        return {PARAMS_KEY: {"version": wire.PROTOCOL_VERSION, "request_id": request_id,
-                             "host": self.host, "port": self.port, "num_tokens": num_tokens}}
+        return self._params(request_id, num_tokens)
 
     def is_ready(self, request_id: str) -> bool:
         with self._lock:
@@ -254,6 +259,32 @@ class PushProducer:
                                     f"request {request_id} is not waiting for its decode to pull")
             self.pull.publish(request_id, p.remote, list(block_ids), num_tokens, self._send_notif)
             self._reqs.pop(request_id)
+
+    def hold(self, request_id: str, block_ids: Sequence[int], num_tokens: int) -> dict[str, Any]:
+        """Computed first: ``block_ids`` hold the prompt's KV; lease them for a decode that
+        registers later, asking pull for ``num_tokens`` tokens. Returns the ``kv_transfer_params``
+        the decode request must carry. Raises (leasing nothing; the caller still owns the blocks)
+        if the request id is taken."""
+        self._check_new("hold", request_id)
+        with self._lock:
+            self._refuse_taken(request_id)
+            self.pull.hold(request_id, list(block_ids), num_tokens)
+            self._finished.pop(request_id, None)
+        return self._params(request_id, num_tokens, transfer_mode="pull")
+
+    def _check_new(self, method: str, request_id: str) -> None:
+        if not self._started:
+            raise RuntimeError(f"PushProducer.{method} before start()")
+        _check_request_id(request_id)
+
+    def _refuse_taken(self, request_id: str) -> None:  # lock held
+        if request_id in self._reqs or request_id in self.pull:
+            raise InvalidRequest(f"request {request_id} is already in use here", field="request_id")
+
+    def _params(self, request_id: str, num_tokens: int, **extra: Any) -> dict[str, Any]:
+        """The ``kv_transfer_params`` that send a decode's connector here for ``request_id``."""
+        return {PARAMS_KEY: {"version": wire.PROTOCOL_VERSION, "request_id": request_id,
+                             "host": self.host, "port": self.port, "num_tokens": num_tokens, **extra}}
 
     def wait_ready(self, request_id: str, timeout_s: float) -> bool:
         with self._lock:
@@ -760,25 +791,45 @@ class PushProducer:
                     self._fail(p, why, keep=True)
             return refuse(why)
         with self._lock:
-            p = self._reqs.get(reg.request_id)
-            if p is None or p.state is not TransferState.EXPECTING:
-                return refuse(f"request {reg.request_id} is not waiting for a decode here "
-                              "(unknown, finished or already registered)")
-            if reg.num_tokens != p.num_tokens:
-                return refuse(f"the decode has {reg.num_tokens} prompt tokens, the prefill "
-                              f"{p.num_tokens}: send the decode the same token ids")
-            try:
-                if self._remotes.get(reg.agent_name) != reg.agent_metadata:
-                    if reg.agent_name in self._remotes:
-                        self._agent.remove_remote(reg.agent_name)
-                    p.remote = self._agent.add_remote(reg.agent_metadata)
-                    self._remotes[p.remote] = reg.agent_metadata
-                else:
-                    p.remote = reg.agent_name
-            except Exception as e:  # noqa: BLE001
-                return refuse(f"could not load the decode's NIXL metadata: {e}")
-            p.reg, p.state = reg, TransferState.READY
-            p.ready.set()
+            if self.pull.is_unattached(reg.request_id):
+                if why := self._register_held(reg):
+                    return refuse(why)
+            else:
+                p = self._reqs.get(reg.request_id)
+                if p is None or p.state is not TransferState.EXPECTING:
+                    return refuse(f"request {reg.request_id} is not waiting for a decode here "
+                                  "(unknown, finished or already registered)")
+                if reg.num_tokens != p.num_tokens:
+                    return refuse(f"the decode has {reg.num_tokens} prompt tokens, the prefill "
+                                  f"{p.num_tokens}: send the decode the same token ids")
+                try:
+                    p.remote = self._load_remote(reg)
+                except Exception as e:  # noqa: BLE001
+                    return refuse(f"could not load the decode's NIXL metadata: {e}")
+                p.reg, p.state = reg, TransferState.READY
+                p.ready.set()
         self._stats.add(handshakes_total=1)
         self._reply(identity, wire.Ack(version=wire.PROTOCOL_VERSION, request_id=reg.request_id,
                                        accepted=True, nonce=reg.nonce, write_timeout_s=self.transfer_timeout_s))
+
+    def _register_held(self, reg: wire.Register) -> str | None:
+        """(lock held) A Register for a request computed first (``hold``): attach the decode to its
+        lease, which sends it the "ready" notification. Why not, or None. A refused decode leaves
+        the lease as it was: its deadline (or an abort) frees it."""
+        if why := self.pull.attach_refusal(reg.request_id, reg.transfer_mode, reg.num_tokens):
+            return why
+        try:
+            remote = self._load_remote(reg)
+        except Exception as e:  # noqa: BLE001
+            return f"could not load the decode's NIXL metadata: {e}"
+        return self.pull.attach(reg.request_id, remote, self._send_notif)
+
+    def _load_remote(self, reg: wire.Register) -> str:
+        """(lock held) The decode's NIXL agent name, its metadata loaded (reloaded if it changed)."""
+        if self._remotes.get(reg.agent_name) == reg.agent_metadata:
+            return reg.agent_name
+        if reg.agent_name in self._remotes:
+            self._agent.remove_remote(reg.agent_name)
+        remote = self._agent.add_remote(reg.agent_metadata)
+        self._remotes[remote] = reg.agent_metadata
+        return remote

@@ -35,9 +35,12 @@ def _serve_parser(sub) -> None:
                    help="greedy requests (temperature 0, n 1, no penalties or stop strings): prefill = "
                         "the first token is our prefill's, sent to the client as soon as the decode "
                         "accepts the rest, and the decode continues from prompt + that token (its "
-                        "first step then computes exactly what vLLM alone computes); decode = the "
-                        "decode recomputes the prompt's last token and samples the first token. "
-                        "nixl-compat mode; other requests always take the decode's")
+                        "first step then computes exactly what vLLM alone computes); in connector "
+                        "mode such a request is computed whole first and the decode pulls its KV "
+                        "(no streaming push; prompts larger than the pool still stream). decode = "
+                        "the decode recomputes the prompt's last token and samples the first token. "
+                        "auto (default): prefill in nixl-compat mode, decode in connector mode. "
+                        "Other requests always take the decode's")
     p.add_argument("--served-model-name", default=None,
                    help="model id clients send; default: the decode's model id (local mode: the folder)")
     p.add_argument("--dtype", default=d.dtype, help="auto | float32 | bfloat16 | float16 (match the decode's)")

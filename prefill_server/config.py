@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass
 
 TRANSFER_MODES = ("nixl-compat", "connector", "local")
-FIRST_TOKEN_MODES = ("prefill", "decode")
+FIRST_TOKEN_MODES = ("auto", "prefill", "decode")
 DEFAULT_TRANSFER_TIMEOUT_S = 30.0  # connector mode; capped at the lease time unless set explicitly
 
 
@@ -68,8 +68,9 @@ class ServerConfig:
     # None = min(DEFAULT_TRANSFER_TIMEOUT_S, the lease time): see transfer_timeout_for
     transfer_timeout_s: float | None = None
     # greedy requests: "prefill" = the client's first token is the one our prefill sampled, the
-    # decode continues from prompt + [t1] (serving/first_token.py); "decode" = the decode samples it
-    first_token: str = "prefill"
+    # decode continues from prompt + [t1] (serving/first_token.py); "decode" = the decode samples it;
+    # "auto" = prefill in nixl-compat mode, decode in connector mode (streaming push): see first_token_mode
+    first_token: str = "auto"
 
     def validate(self) -> None:
         if self.transfer_mode not in TRANSFER_MODES:
@@ -94,6 +95,15 @@ class ServerConfig:
             raise ValueError("--grpc-tls-cert and --grpc-tls-key go together")
         if self.grpc_tls_client_ca and not self.grpc_tls_cert:
             raise ValueError("--grpc-tls-client-ca needs --grpc-tls-cert and --grpc-tls-key")
+
+    @property
+    def first_token_mode(self) -> str:
+        """The --first-token in effect. Connector mode computes a greedy request whole before its
+        decode is called when it is "prefill" (the decode then pulls), which gives up streaming
+        push, so there "auto" keeps push and the decode's first token."""
+        if self.first_token != "auto":
+            return self.first_token
+        return "prefill" if self.transfer_mode == "nixl-compat" else "decode"
 
     def transfer_timeout_for(self, lease_ttl_s: float) -> float:
         """The transfer timeout in effect: the one set, else 30 s or the lease time if shorter (the

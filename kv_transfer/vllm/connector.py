@@ -16,7 +16,10 @@ transfer_mode`` overrides it); ``kv_cache_layout`` (the page layout we ask vLLM 
 layout of ``kv_transfer.layout.LAYOUTS`` works).
 
 A request whose ``kv_transfer_params`` carry ``{"prefill_server": {request_id, host, port,
-num_tokens}}`` (what our gateway sends) is loaded from the prefill server:
+num_tokens}}`` (what our gateway sends) is loaded from the prefill server: the KV of its first
+``num_tokens`` prompt tokens (all of them without it). A prompt one token longer (the prefill's
+first token appended, when the gateway ran the prefill first) thus loads the prefill's tokens and
+vLLM computes the last one itself, as it does the last of a fully loaded prompt:
 
     scheduler: get_num_new_matched_tokens -> (prompt tokens not cached locally, async)
                update_state_after_alloc   -> remember the request's block ids
@@ -103,12 +106,23 @@ def _target(params: dict | None) -> dict | None:
         return None
     ok = (isinstance(p.get("request_id"), str) and isinstance(p.get("host"), str)
           and isinstance(p.get("port"), int) and p.get("version") == wire.PROTOCOL_VERSION
-          and p.get("transfer_mode", "push") in wire.TRANSFER_MODES)
+          and p.get("transfer_mode", "push") in wire.TRANSFER_MODES
+          and ("num_tokens" not in p or _positive_int(p["num_tokens"])))
     if not ok:
         log.warning("ignoring malformed %s kv_transfer_params %r: the decode computes the prompt itself",
                     PARAMS_KEY, p)
         return None
     return p
+
+
+def _positive_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+
+def _num_loaded(p: dict, request: Request) -> int:
+    """Prompt tokens whose KV the prefill server has: its ``num_tokens``, at most the prompt (the
+    prompt may be longer by the first token the prefill already sampled)."""
+    return min(p.get("num_tokens", request.num_prompt_tokens), request.num_prompt_tokens)
 
 
 def decode_geometry(vllm_config: VllmConfig) -> wire.Geometry:
@@ -161,9 +175,10 @@ class PrefillServerConnector(KVConnectorBase_V1):
 
     # ================================================================ scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if _target(request.kv_transfer_params) is None:
+        p = _target(request.kv_transfer_params)
+        if p is None:
             return 0, False
-        n = request.num_prompt_tokens - num_computed_tokens
+        n = _num_loaded(p, request) - num_computed_tokens
         return (n, True) if n > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
@@ -173,9 +188,9 @@ class PrefillServerConnector(KVConnectorBase_V1):
         p["_consumed"] = True  # one transfer per request
         if num_external_tokens <= 0:
             return
+        n = _num_loaded(p, request)
         spec = _RecvSpec(p["host"], p["port"], p["request_id"], list(blocks.get_block_ids()[0]),
-                         request.num_prompt_tokens - num_external_tokens, request.num_prompt_tokens,
-                         p.get("transfer_mode", self._mode))
+                         n - num_external_tokens, n, p.get("transfer_mode", self._mode))
         self._pending.receive[request.request_id] = spec
         self._inflight[request.request_id] = spec
 

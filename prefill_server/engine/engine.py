@@ -29,6 +29,12 @@ decode registered asking for the pull fallback (``producer.wants_pull``), the re
 pull-mode one (whole prompt in the pool, chunked) and ``producer.publish`` leases its blocks to the
 decode, which READs them (``kv_transfer.pull``).
 
+Computed first (connector mode, ``submit_pull_later``): the gateway wants the first token before
+it calls the decode. The request runs at once like an ordinary one (it waits for no Register) and
+``producer.hold`` leases its blocks; the result's ``kv_transfer_params`` send the decode to pull
+them (``transfer_mode`` "pull", ``num_tokens``). The lease ends when the decode has read them, at
+its deadline, or on ``abort``.
+
 The engine never frees leased blocks itself; the producer never frees running blocks. A failed step
 fails only the requests in that step and the loop keeps serving.
 """
@@ -108,7 +114,10 @@ class Engine:
         if req.push and not self.supports_push:
             raise InvalidRequest("this server's transfer mode does not stream KV (push); start it "
                                  "with --transfer-mode connector", field="transfer_mode")
-        if not req.push and self.supports_push:
+        if req.pull_later and (req.push or not self.supports_push):
+            raise InvalidRequest("pull_later needs a connector-mode server (--transfer-mode connector) "
+                                 "and a request that does not also ask for push", field="transfer_mode")
+        if not req.push and not req.pull_later and self.supports_push:
             raise InvalidRequest("this server runs in connector mode (streaming push): a prefill must "
                                  "come with its decode request (HTTP gateway), not on its own",
                                  field="transfer_mode")
@@ -123,6 +132,14 @@ class Engine:
         decode). Send the decode its request right away: the prefill starts once it registers."""
         assert req.push
         return self._submit(req)
+
+    def submit_pull_later(self, req: PrefillRequest) -> Future:
+        """Connector mode, computed first (``req.pull_later``): queue an ordinary prefill; the future
+        resolves to a PrefillResult once its KV is leased, whose ``kv_transfer_params`` the decode
+        request must carry (the decode pulls the KV of the first ``num_tokens`` prompt tokens).
+        ``abort`` frees the lease at once; unread, it expires after the producer's lease time."""
+        assert req.pull_later
+        return self._submit(req)[0]
 
     def _submit(self, req: PrefillRequest) -> tuple[Future, dict | None]:
         self.validate(req)
@@ -217,6 +234,9 @@ class Engine:
             elif seq.pull:  # the decode READs the leased blocks (publish raising leases nothing)
                 self.producer.publish(req.request_id, seq.block_ids, seq.num_tokens)
                 seq.block_ids, params = [], seq.params
+            elif req.pull_later:  # leased for a decode that registers later (hold raising leases nothing)
+                params = self.producer.hold(req.request_id, seq.block_ids, seq.num_tokens)
+                seq.block_ids = []
             else:
                 blocks, seq.block_ids = seq.block_ids, []
                 params = self.producer.publish(req.request_id, blocks, seq.num_tokens)

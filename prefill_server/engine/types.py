@@ -30,6 +30,8 @@ class PrefillRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams = SamplingParams()
     push: bool = False  # connector mode: stream each layer into the decode's blocks (one step)
+    # connector mode: compute now, lease the KV; the decode registers afterwards and pulls it
+    pull_later: bool = False
     num_logprobs: int | None = None  # first token's logprobs: None = none, k = sampled + top k
 
 

@@ -173,16 +173,18 @@ def create_app(service: PrefillService, decode: DecodeClient | None, api_key: st
                          first_plan("chat", raw))
 
     def first_plan(kind: str, raw: dict) -> ft.Plan | None:
-        if service.first_token != "prefill" or service.transfer_mode != "nixl-compat":
+        if service.first_token != "prefill" or service.transfer_mode not in ("nixl-compat", "connector"):
             return None
         return ft.plan(kind, raw)
 
     async def run(request: Request, path: str, out: dict, token_ids: list[int], sampling: SamplingParams,
                   stream: bool, plan: ft.Plan | None = None) -> Response:
         t0 = time.monotonic()
-        if service.transfer_mode == "connector":
+        pull_later = service.transfer_mode == "connector"  # computed first: the decode pulls
+        if pull_later and not (plan and service.fits_whole(len(token_ids))):
             return await run_push(path, out, token_ids, sampling, stream, t0)
-        result = await service.prefill(token_ids, sampling, num_logprobs=plan.num_logprobs if plan else None)
+        result = await service.prefill(token_ids, sampling, num_logprobs=plan.num_logprobs if plan else None,
+                                       pull_later=pull_later)
         if decode is None:  # transfer mode "local": answer with the first token only
             service.release(result.request_id)
             return JSONResponse(_local_answer(service, path, result))
@@ -193,7 +195,7 @@ def create_app(service: PrefillService, decode: DecodeClient | None, api_key: st
             path, out = "/v1/completions", first.decode_body(token_ids, service.info.served_name,
                                                               result.kv_transfer_params)
         return await to_decode(path, out, result.request_id, result.kv_transfer_params, len(token_ids),
-                               stream, t0, first=first)
+                               stream, t0, first=first, release_after=pull_later)
 
     async def run_push(path: str, out: dict, token_ids: list[int], sampling: SamplingParams, stream: bool,
                        t0: float) -> Response:
@@ -205,10 +207,11 @@ def create_app(service: PrefillService, decode: DecodeClient | None, api_key: st
 
     async def to_decode(path: str, out: dict, rid: str, params: dict, n_tokens: int, stream: bool,
                         t0: float, prefill: asyncio.Future | None = None,
-                        first: ft.FirstToken | None = None) -> Response:
+                        first: ft.FirstToken | None = None, release_after: bool = False) -> Response:
         """Send the request to the decode with kv_transfer_params and relay its answer (with
         ``first``: t1 first, then the decode's continuation, rewritten). Whenever the decode will not
-        use our KV (unreachable, refused, client gone), free it at once."""
+        use our KV (unreachable, refused, client gone), free it at once. release_after: also once
+        it has answered (a lease the decode did not read: e.g. its own prefix cache had the prompt)."""
         out["kv_transfer_params"] = params
         out.setdefault("model", service.info.served_name)
         try:
@@ -222,6 +225,8 @@ def create_app(service: PrefillService, decode: DecodeClient | None, api_key: st
                 metrics.e2e_time.observe(time.monotonic() - t0)
                 relay = (_relay_first(first.stream_start(), resp, service.info.served_name) if first
                          else decode.relay(resp))
+                if release_after:
+                    relay = _then(relay, lambda: service.release(rid))
                 return StreamingResponse(relay, media_type="text/event-stream")
             resp = await decode.post(path, out)
         except BaseException:  # unreachable decode, client gone
@@ -239,6 +244,8 @@ def create_app(service: PrefillService, decode: DecodeClient | None, api_key: st
                     raise PrefillError(f"the prefill failed ({type(e).__name__}: {e}); the decode "
                                        "could not use its KV") from e
         metrics.e2e_time.observe(time.monotonic() - t0)
+        if release_after:
+            service.release(rid)
         if first and resp.status_code < 400:
             _check_prompt_tokens(resp, n_tokens + 1, rid)
             return JSONResponse(first.merge(resp.json()))
@@ -257,6 +264,14 @@ async def _relay_first(state: ft.StreamState, resp, model: str) -> AsyncIterator
                 yield state.event(line[5:].strip())
     finally:
         await resp.aclose()
+
+
+async def _then(gen: AsyncIterator[bytes], done) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in gen:
+            yield chunk
+    finally:
+        done()
 
 
 def _consume(fut) -> None:

@@ -67,7 +67,7 @@ def build_service(ecfg: EngineConfig, scfg: ServerConfig) -> PrefillService:
                     max_queue_wait_s=ecfg.max_queue_wait_s)
     info = ModelInfo(served, m.path, c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size,
                      c.max_position_embeddings, str(m.dtype).removeprefix("torch."), pool.block_size)
-    return PrefillService(engine, m.tokenizer, info, scfg.transfer_mode, first_token=scfg.first_token,
+    return PrefillService(engine, m.tokenizer, info, scfg.transfer_mode, first_token=scfg.first_token_mode,
                           eos_token_ids=c.eos_token_ids)
 
 

@@ -50,11 +50,15 @@ class PrefillService:
         return self.tokenizer.encode(text, add_special_tokens=False)  # the template holds the specials
 
     async def prefill(self, token_ids: list[int], sampling: SamplingParams = SamplingParams(),
-                      request_id: str | None = None, num_logprobs: int | None = None) -> PrefillResult:
+                      request_id: str | None = None, num_logprobs: int | None = None,
+                      pull_later: bool = False) -> PrefillResult:
         """Prefill and publish the KV; cancelling the awaiting task frees everything at once.
-        num_logprobs: also return the first token's logprobs (sampled + top num_logprobs)."""
+        num_logprobs: also return the first token's logprobs (sampled + top num_logprobs).
+        pull_later (connector mode): computed now, leased for a decode that registers afterwards
+        (asking pull) with the result's kv_transfer_params."""
         rid = request_id or f"pf-{uuid.uuid4().hex}"
-        fut = self.engine.submit(PrefillRequest(rid, tuple(token_ids), sampling, num_logprobs=num_logprobs))
+        fut = self.engine.submit(PrefillRequest(rid, tuple(token_ids), sampling, pull_later=pull_later,
+                                                num_logprobs=num_logprobs))
         try:
             return await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
@@ -70,6 +74,11 @@ class PrefillService:
         rid = request_id or f"pf-{uuid.uuid4().hex}"
         fut, params = self.engine.submit_push(PrefillRequest(rid, tuple(token_ids), sampling, push=True))
         return rid, params, asyncio.wrap_future(fut)
+
+    def fits_whole(self, num_tokens: int) -> bool:
+        """Whether the pool can hold a whole prompt's KV (what computing it before the decode needs)."""
+        pool = self.engine.pool
+        return pool.blocks_needed(num_tokens) <= pool.num_blocks
 
     def release(self, request_id: str) -> bool:
         return self.engine.abort(request_id)

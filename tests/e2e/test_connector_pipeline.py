@@ -4,6 +4,7 @@ the prefill streams every layer into the decode's own blocks. The foundation's c
 """
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
@@ -20,7 +21,7 @@ import torch
 from gateway import GatewayThread
 from kv_transfer.base import TransferState
 from prompts import all_prompts, by_name
-from test_pipeline import BF16_DECODE_ARGS, ask, bf16_engine_options, check_bf16, report_dir
+from test_pipeline import BF16_DECODE_ARGS, MAX_TOKENS, ask, bf16_engine_options, check_bf16, report_dir
 from prefill_server.config import EngineConfig, ServerConfig
 from prefill_server.connector_config import vllm_connector_config
 from prefill_server.local_vllm import VllmDecode, free_port
@@ -69,11 +70,12 @@ def connector_decode(decode_model_dir, tmp_path_factory, secret_file):
     yield from running_connector_decode(decode_model_dir, tmp_path_factory, secret_file, "connector")
 
 
-def connector_gateway(decode: VllmDecode, secret_file: str, dtype: str, **engine_options) -> GatewayThread:
+def connector_gateway(decode: VllmDecode, secret_file: str, dtype: str, first_token: str = "auto",
+                      **engine_options) -> GatewayThread:
     opts = dict(token_budget=1024) | engine_options
     svc = build_service(EngineConfig(model=decode.model, dtype=dtype, block_size=0, kv_cache_gib=0.25, **opts),
                         ServerConfig(transfer_mode="connector", decode_url=decode.url,
-                                     secret_file=secret_file, register_timeout_s=30))
+                                     secret_file=secret_file, register_timeout_s=30, first_token=first_token))
     assert svc.engine.pool.block_size == decode.block_size
     return GatewayThread(svc, decode.url).start()
 
@@ -112,6 +114,36 @@ def test_fp32_every_prompt_token_identical_and_nothing_left(connector_decode, ga
     assert producer.num_active == 0
     assert producer.stats().released_total >= len(all_prompts())  # really streamed, every time
     assert wait_decode_idle(connector_decode) == 0.0
+
+
+def test_first_token_from_prefill_then_pull_token_identical(connector_decode, secret_file):
+    """--first-token prefill in connector mode: a greedy request is computed first, its first
+    token is ours, and the decode (prompt + [t1]) pulls the prompt's KV through our connector;
+    streamed or not, the answer is vLLM alone's, and nothing is left on either side."""
+    gw = connector_gateway(connector_decode, secret_file, "float32", first_token="prefill")
+    try:
+        model = connector_decode.served_model_name()
+        ps = sorted(all_prompts(), key=lambda p: p.approx_tokens)
+        chosen = [ps[0], next(p for p in ps if p.kind == "chat"), ps[len(ps) // 2], ps[-1]]
+        producer = gw.service.engine.producer
+        for p in chosen:
+            alone = ask(connector_decode.url, p, model)
+            assert [t for t, _ in ask(gw.url, p)] == [t for t, _ in alone], p.name
+        p = chosen[1]
+        body = {"messages": p.chat(), "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+        with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, timeout=600) as r:
+            assert r.status_code == 200
+            events = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+        whole = httpx.post(connector_decode.url + "/v1/chat/completions", timeout=600, json={
+            "model": model, "messages": p.chat(), "max_tokens": MAX_TOKENS, "temperature": 0}).json()
+        assert text == whole["choices"][0]["message"]["content"]
+        assert gw.wait_pool_empty() == 0 and producer.num_active == 0
+        assert producer.stats().released_total >= len(chosen) + 1  # read by the decode, every time
+        assert wait_decode_idle(connector_decode) == 0.0
+    finally:
+        gw.stop()
 
 
 def test_layers_are_written_while_later_layers_compute(connector_decode, gateway):
@@ -245,7 +277,9 @@ def test_bf16_connector_mode(decode_model_dir, tmp_path_factory, secret_file):
     threads = torch.get_num_threads()
     with connector_vllm(decode_model_dir, log, secret_file, "bfloat16", 120.0, BF16_DECODE_ARGS) as decode:
         decode.completion("Warm up.", max_tokens=2)
-        gw = connector_gateway(decode, secret_file, "bfloat16", **bf16_engine_options())
+        # the first token from our prefill (computed first, then pulled): the decode's first step is
+        # vLLM alone's first decode step (prefill_server/serving/first_token.py)
+        gw = connector_gateway(decode, secret_file, "bfloat16", first_token="prefill", **bf16_engine_options())
         try:
             check_bf16(decode, gw, report_dir(log.parent) / "bf16_report_connector.json")
         finally:

@@ -169,3 +169,40 @@ def test_prefill_returns_first_token_logprobs(local_service):
     assert r.first_logprobs[0][0] == r.first_token_id and len(r.first_logprobs) == 3
     assert r.first_logprobs[1][0] == r.first_token_id  # greedy: the sampled token is the top one
     assert r.first_logprobs[1][1] >= r.first_logprobs[2][1]
+
+
+def test_first_token_mode_defaults_per_transfer_mode():
+    from prefill_server.config import ServerConfig
+
+    url = "http://127.0.0.1:1"
+    assert ServerConfig(transfer_mode="nixl-compat", decode_url=url).first_token_mode == "prefill"
+    assert ServerConfig(transfer_mode="connector", decode_url=url).first_token_mode == "decode"  # keeps push
+    for mode in ("prefill", "decode"):
+        assert ServerConfig(transfer_mode="connector", decode_url=url, first_token=mode).first_token_mode == mode
+    with pytest.raises(ValueError, match="--first-token"):
+        ServerConfig(transfer_mode="nixl-compat", decode_url=url, first_token="maybe").validate()
+
+
+def test_plan_never_raises_on_odd_values(local_service):
+    """Bodies the schema lets through with odd values in fields it does not check: plan() and
+    first_token() decide without raising (the decode then judges what it does not accept)."""
+    import random
+
+    rng = random.Random(7)
+    odd = [None, True, False, 0, 1, 2, -1, 0.0, 0.5, 1e300, "", "x", "2", [], [1], ["a"], [[1]], {}, {"a": 1}]
+    tok = local_service.tokenizer
+    prompt = tok.encode("The sea is")
+    keys = sorted(ft._ALLOWED["completion"] | ft._ALLOWED["chat"])
+    taken = 0
+    for i in range(3000):
+        kind = "chat" if i % 2 else "completion"
+        body = {**(CHAT if kind == "chat" else GREEDY)}
+        for k in rng.sample(keys, 3):
+            body[k] = rng.choice(odd)
+        p = ft.plan(kind, body)
+        if p is not None:
+            taken += 1
+            first = ft.first_token(p, tok, (tok.eos_token_id,), prompt, prompt[-1], ((prompt[-1], -0.1),), 8192)
+            if first is not None:
+                first.decode_body(prompt, "served", {})
+    assert 0 < taken < 3000
