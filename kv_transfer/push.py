@@ -77,11 +77,6 @@ log = logging.getLogger(__name__)
 PARAMS_KEY = "prefill_server"  # kv_transfer_params[PARAMS_KEY] marks a request for our connector
 
 
-def _check_request_id(request_id: str) -> None:
-    if not request_id or " " in request_id or len(request_id) > 200:
-        raise InvalidRequest("request id must be 1-200 characters without spaces", field="request_id")
-
-
 def coalesced_descs(src_addr: np.ndarray, dst_addr: np.ndarray, page_bytes: int, src_dev: int,
                     dst_dev: int) -> tuple[np.ndarray, np.ndarray]:
     """Nx3 (addr, len, dev) descriptor pairs for page i: src_addr[i] -> dst_addr[i], one
@@ -275,7 +270,8 @@ class PushProducer:
     def _check_new(self, method: str, request_id: str) -> None:
         if not self._started:
             raise RuntimeError(f"PushProducer.{method} before start()")
-        _check_request_id(request_id)
+        if not request_id or " " in request_id or len(request_id) > 200:
+            raise InvalidRequest("request id must be 1-200 characters without spaces", field="request_id")
 
     def _refuse_taken(self, request_id: str) -> None:  # lock held
         if request_id in self._reqs or request_id in self.pull:

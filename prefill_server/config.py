@@ -77,7 +77,8 @@ class ServerConfig:
             raise ValueError(f"--transfer-mode must be one of {', '.join(TRANSFER_MODES)}, "
                              f"not {self.transfer_mode!r}")
         if self.first_token not in FIRST_TOKEN_MODES:
-            raise ValueError(f"--first-token must be prefill or decode, not {self.first_token!r}")
+            raise ValueError(f"--first-token must be one of {', '.join(FIRST_TOKEN_MODES)}, "
+                             f"not {self.first_token!r}")
         if self.register_timeout_s <= 0:
             raise ValueError("--register-timeout must be positive")
         if self.transfer_timeout_s is not None and not (math.isfinite(self.transfer_timeout_s)

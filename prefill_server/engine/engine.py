@@ -29,8 +29,8 @@ decode registered asking for the pull fallback (``producer.wants_pull``), the re
 pull-mode one (whole prompt in the pool, chunked) and ``producer.publish`` leases its blocks to the
 decode, which READs them (``kv_transfer.pull``).
 
-Computed first (connector mode, ``submit_pull_later``): the gateway wants the first token before
-it calls the decode. The request runs at once like an ordinary one (it waits for no Register) and
+Computed first (connector mode, a ``pull_later`` request): the gateway wants the first token
+before it calls the decode. The request runs at once like an ordinary one (it waits for no Register) and
 ``producer.hold`` leases its blocks; the result's ``kv_transfer_params`` send the decode to pull
 them (``transfer_mode`` "pull", ``num_tokens``). The lease ends when the decode has read them, at
 its deadline, or on ``abort``.
@@ -124,7 +124,10 @@ class Engine:
         self.scheduler.check_fits(n, req.push)
 
     def submit(self, req: PrefillRequest) -> Future:
-        """Queue a prefill; the future resolves to a PrefillResult. Raises InvalidRequest at once."""
+        """Queue a prefill; the future resolves to a PrefillResult. Raises InvalidRequest at once.
+        A ``pull_later`` request (connector mode) resolves once its KV is leased: its
+        ``kv_transfer_params`` send the decode to pull the first ``num_tokens`` prompt tokens;
+        ``abort`` frees the lease at once, and unread it expires after the producer's lease time."""
         return self._submit(req)[0]
 
     def submit_push(self, req: PrefillRequest) -> tuple[Future, dict]:
@@ -132,14 +135,6 @@ class Engine:
         decode). Send the decode its request right away: the prefill starts once it registers."""
         assert req.push
         return self._submit(req)
-
-    def submit_pull_later(self, req: PrefillRequest) -> Future:
-        """Connector mode, computed first (``req.pull_later``): queue an ordinary prefill; the future
-        resolves to a PrefillResult once its KV is leased, whose ``kv_transfer_params`` the decode
-        request must carry (the decode pulls the KV of the first ``num_tokens`` prompt tokens).
-        ``abort`` frees the lease at once; unread, it expires after the producer's lease time."""
-        assert req.pull_later
-        return self._submit(req)[0]
 
     def _submit(self, req: PrefillRequest) -> tuple[Future, dict | None]:
         self.validate(req)

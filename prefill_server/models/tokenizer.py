@@ -8,6 +8,7 @@ exists)."""
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import pathlib
 from typing import Any
@@ -47,7 +48,6 @@ class Tokenizer:
         self.clean_up_tokenization_spaces = bool(cfg.get("clean_up_tokenization_spaces", False))
         self.chat_template = self._load_chat_template(path, cfg)
         self._compiled = None
-        self._space_marker = _leading_space_marker(json.loads(self._tok.to_str()))
 
     @staticmethod
     def _load_chat_template(path: pathlib.Path, cfg: dict) -> str | None:
@@ -83,13 +83,18 @@ class Tokenizer:
                 text = text.replace(a, b)
         return text
 
+    @functools.cached_property
+    def _space_marker(self) -> str | None:
+        """(found on first use, not at start-up: serializing a large vocabulary to JSON is not free)"""
+        return _leading_space_marker(json.loads(self._tok.to_str()))
+
     def token_string(self, token_id: int) -> str:
         """One token's text as vLLM shows it in logprobs: decode([id]), with the leading spaces a
         SentencePiece (Metaspace) decode strips from a piece put back."""
         text = self.decode([token_id])
         if self._space_marker is None:
             return text
-        raw = self._tok.id_to_token(token_id) or ""
+        raw = self.id_to_token(token_id) or ""
         markers = len(raw) - len(raw.lstrip(self._space_marker))
         missing = markers - (len(text) - len(text.lstrip(" ")))
         return " " * missing + text if missing > 0 else text

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import platform
 import statistics
@@ -87,7 +88,7 @@ def main() -> None:
         texts = {r["text"] for r in rows if r["prompt"] == p.name}
         summary[f"{p.name}/same_text"] = len(texts) == 1
     out = {"date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
-           "cpus": len(__import__("os").sched_getaffinity(0)), "reps": args.reps,
+           "cpus": len(os.sched_getaffinity(0)), "reps": args.reps,
            "command": " ".join(sys.argv), "summary": summary,
            "rows": [{k: v for k, v in r.items() if k != "text"} for r in rows]}
     pathlib.Path(args.out).write_text(json.dumps(out, indent=1))

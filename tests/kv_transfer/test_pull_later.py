@@ -30,7 +30,7 @@ def loaded():
 
 def compute_first(s: PullSetup, rid: str, ids: list[int]):
     """Submit a pull_later request; its result (computed and leased: nobody registered)."""
-    return s.engine.submit_pull_later(PrefillRequest(rid, tuple(ids), pull_later=True)).result(timeout=120)
+    return s.engine.submit(PrefillRequest(rid, tuple(ids), pull_later=True)).result(timeout=120)
 
 
 def signed_register(s: PullSetup, rid: str, num_tokens: int, mode: str) -> wire.Register:
