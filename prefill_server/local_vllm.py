@@ -66,6 +66,7 @@ class VllmDecode:
     extra_env: dict[str, str] = field(default_factory=dict)
     omp_threads_bind: str = "0"  # see environment()
     dev_mode: bool = True  # exposes /server_info, which discover_decode reads
+    prefix_caching: bool = False  # vLLM's own default is on
     venv: pathlib.Path = DEFAULT_VENV
     startup_timeout_s: float = 600.0  # ~40 s on an idle 2-core machine; minutes when it is busy
     proc: subprocess.Popen | None = field(default=None, init=False, repr=False)
@@ -96,7 +97,8 @@ class VllmDecode:
         cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                "--host", self.host, "--port", str(self.port), "--dtype", self.dtype,
                "--block-size", str(self.block_size), "--max-model-len", str(self.max_model_len),
-               "--enforce-eager", "--no-enable-prefix-caching"]
+               "--enforce-eager",
+               "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching"]
         if self.kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
         return cmd + list(self.extra_args)

@@ -173,6 +173,23 @@ def compatibility_hash(factors: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()
 
 
+def params_for_prompt(params: dict[str, Any], num_prompt_tokens: int, block_size: int) -> dict[str, Any]:
+    """``publish``'s params for a decode sent a prompt of ``num_prompt_tokens`` tokens.
+
+    The decode allocates ``ceil(num_prompt_tokens / block_size)`` blocks and reads the LAST that
+    many of ``remote_block_ids`` (vLLM assumes the ones before are in its own prefix cache), so
+    the list must have exactly that length: one short and its worker asserts and the decode's
+    engine dies; one long and it reads every block one place off. A prompt one token longer than
+    the prefill's (prompt + its first token) needs the room the engine leased past the prompt
+    (``PrefillRequest.room_tokens``); the decode computes that position's KV itself."""
+    (blocks,) = params["remote_block_ids"]
+    needed = -(-num_prompt_tokens // block_size)
+    if needed > len(blocks):
+        raise ValueError(f"a decode prompt of {num_prompt_tokens} tokens needs {needed} blocks, "
+                         f"{len(blocks)} were leased")
+    return {**params, "remote_block_ids": [list(blocks[:needed])]}
+
+
 # ---------------------------------------------------------------- the decode
 @dataclass(frozen=True)
 class DecodeInfo:
@@ -444,6 +461,10 @@ class NixlCompatProducer(KVProducer):
     # ---- engine API ----
     def publish(self, request_id: str, block_ids: Sequence[int], num_tokens: int, *,
                 decode_url: str | None = None, cached_tokens: int = 0) -> dict[str, Any]:
+        """Lease ``block_ids`` (the KV of ``num_tokens`` prompt tokens, and any room the engine
+        left past them) and return the ``kv_transfer_params`` that offer them all to a decode.
+        The decode allocates blocks for its whole prompt and asserts that the prefill offers as
+        many: fit the params to the prompt it is sent with ``params_for_prompt``."""
         if not self._started:
             raise RuntimeError("NixlCompatProducer.publish before start()")
         if not isinstance(request_id, str) or not request_id or "," in request_id \
@@ -474,7 +495,7 @@ class NixlCompatProducer(KVProducer):
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_block_ids": [blocks[:needed]],
+            "remote_block_ids": [blocks],
             "remote_engine_id": self.engine_id,
             "remote_request_id": request_id,
             "remote_host": ch.host,

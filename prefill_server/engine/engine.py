@@ -121,7 +121,10 @@ class Engine:
             raise InvalidRequest("this server runs in connector mode (streaming push): a prefill must "
                                  "come with its decode request (HTTP gateway), not on its own",
                                  field="transfer_mode")
-        self.scheduler.check_fits(n, req.push)
+        if req.room_tokens and (req.push or req.room_tokens < 0):
+            raise InvalidRequest("room_tokens applies to requests whose KV is leased, not streamed",
+                                 field="room_tokens")
+        self.scheduler.check_fits(n + req.room_tokens, req.push)
 
     def submit(self, req: PrefillRequest) -> Future:
         """Queue a prefill; the future resolves to a PrefillResult. Raises InvalidRequest at once.

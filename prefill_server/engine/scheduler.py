@@ -44,6 +44,11 @@ class Sequence:
         return len(self.request.prompt_token_ids)
 
     @property
+    def num_kv_tokens(self) -> int:
+        """Token positions its pool blocks cover: the prompt and the room asked for past it."""
+        return self.num_tokens + self.request.room_tokens
+
+    @property
     def connector(self) -> bool:
         """Connector mode: a decode registers for this request's KV (push or pull)."""
         return self.request.push
@@ -81,7 +86,7 @@ class Scheduler:
 
     def blocks_for(self, seq_or_n, push: bool = False) -> int:
         if isinstance(seq_or_n, Sequence):
-            seq_or_n, push = seq_or_n.num_tokens, seq_or_n.push
+            seq_or_n, push = seq_or_n.num_kv_tokens, seq_or_n.push
         if push:
             return self.pool.stream_blocks_needed(seq_or_n, self.STREAM_SLOTS)
         return self.pool.blocks_needed(seq_or_n)
@@ -99,7 +104,7 @@ class Scheduler:
                 f"({self.pool.num_blocks * self.pool.block_size} tokens): send a shorter prompt")
 
     def add(self, seq: Sequence) -> None:
-        self.check_fits(seq.num_tokens, seq.push)
+        self.check_fits(seq.num_kv_tokens, seq.push)
         self.waiting.append(seq)
 
     @property

@@ -33,6 +33,10 @@ class PrefillRequest:
     # connector mode: compute now, lease the KV; the decode registers afterwards and pulls it
     pull_later: bool = False
     num_logprobs: int | None = None  # first token's logprobs: None = none, k = sampled + top k
+    # KV room leased past the prompt, in tokens: a decode that continues from prompt + [first token]
+    # allocates blocks for that position too, and a stock vLLM decode asserts that the prefill
+    # offers as many blocks as it allocated (it computes the position's KV itself)
+    room_tokens: int = 0
 
 
 @dataclass

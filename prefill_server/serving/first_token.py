@@ -7,7 +7,10 @@ the gateway takes the first token t1 from our prefill (the same bits as vLLM alo
 it to the client as soon as the decode has accepted the rest, and asks the decode (stock
 ``/v1/completions``, prompt token ids) for prompt + [t1] with one token fewer. The decode loads our
 KV for the prompt (``remote_num_tokens`` = the prompt's length) and computes t1's position in a
-1-token step, exactly as vLLM alone's first decode step does. Chat requests go the same way; the
+1-token step, exactly as vLLM alone's first decode step does. It allocates KV blocks for all of
+prompt + [t1], and a stock NixlConnector decode asserts that the prefill offers as many blocks (its
+engine dies otherwise), so the prefill leases room for t1's position (``room_tokens``) and the
+params offer exactly the blocks of the prompt the decode is sent (``params_for_prompt``). Chat requests go the same way; the
 decode's completion is turned back into a chat completion here.
 
 A request takes this path only where that changes nothing the client can see: temperature 0, one

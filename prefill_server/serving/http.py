@@ -183,18 +183,20 @@ def create_app(service: PrefillService, decode: DecodeClient | None, api_key: st
         pull_later = service.transfer_mode == "connector"  # computed first: the decode pulls
         if pull_later and not (plan and service.fits_whole(len(token_ids))):
             return await run_push(path, out, token_ids, sampling, stream, t0)
+        # a decode continuing from prompt + [t1] allocates KV for t1's position too: lease room for it
+        room = 1 if plan and not pull_later else 0
         result = await service.prefill(token_ids, sampling, num_logprobs=plan.num_logprobs if plan else None,
-                                       pull_later=pull_later)
+                                       pull_later=pull_later, room_tokens=room)
         if decode is None:  # transfer mode "local": answer with the first token only
             service.release(result.request_id)
             return JSONResponse(_local_answer(service, path, result))
         first = plan and ft.first_token(plan, service.tokenizer, service.eos_token_ids, token_ids,
                                         result.first_token_id, result.first_logprobs, service.info.max_model_len)
         metrics.first_token.labels("prefill" if first else "decode").inc()
+        params = service.params_for_prompt(result.kv_transfer_params, len(token_ids) + (1 if first else 0))
         if first:  # the decode continues from prompt + [t1] (serving/first_token.py)
-            path, out = "/v1/completions", first.decode_body(token_ids, service.info.served_name,
-                                                              result.kv_transfer_params)
-        return await to_decode(path, out, result.request_id, result.kv_transfer_params, len(token_ids),
+            path, out = "/v1/completions", first.decode_body(token_ids, service.info.served_name, params)
+        return await to_decode(path, out, result.request_id, params, len(token_ids),
                                stream, t0, first=first, release_after=pull_later)
 
     async def run_push(path: str, out: dict, token_ids: list[int], sampling: SamplingParams, stream: bool,

@@ -51,14 +51,15 @@ class PrefillService:
 
     async def prefill(self, token_ids: list[int], sampling: SamplingParams = SamplingParams(),
                       request_id: str | None = None, num_logprobs: int | None = None,
-                      pull_later: bool = False) -> PrefillResult:
+                      pull_later: bool = False, room_tokens: int = 0) -> PrefillResult:
         """Prefill and publish the KV; cancelling the awaiting task frees everything at once.
         num_logprobs: also return the first token's logprobs (sampled + top num_logprobs).
         pull_later (connector mode): computed now, leased for a decode that registers afterwards
-        (asking pull) with the result's kv_transfer_params."""
+        (asking pull) with the result's kv_transfer_params. room_tokens: KV positions leased past
+        the prompt, for a decode sent more tokens (``params_for_prompt``)."""
         rid = request_id or f"pf-{uuid.uuid4().hex}"
         fut = self.engine.submit(PrefillRequest(rid, tuple(token_ids), sampling, pull_later=pull_later,
-                                                num_logprobs=num_logprobs))
+                                                num_logprobs=num_logprobs, room_tokens=room_tokens))
         try:
             return await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
@@ -74,6 +75,15 @@ class PrefillService:
         rid = request_id or f"pf-{uuid.uuid4().hex}"
         fut, params = self.engine.submit_push(PrefillRequest(rid, tuple(token_ids), sampling, push=True))
         return rid, params, asyncio.wrap_future(fut)
+
+    def params_for_prompt(self, params: dict, num_decode_tokens: int) -> dict:
+        """A prefill's kv_transfer_params fitted to the prompt the decode is sent (its length in
+        tokens): a stock vLLM decode reads exactly as many blocks as it allocates for it."""
+        if self.transfer_mode != "nixl-compat":
+            return params  # our connector takes the count of tokens to load from the params
+        from kv_transfer.vllm.v0_32 import params_for_prompt
+
+        return params_for_prompt(params, num_decode_tokens, self.info.block_size)
 
     def fits_whole(self, num_tokens: int) -> bool:
         """Whether the pool can hold a whole prompt's KV (what computing it before the decode needs)."""

@@ -104,3 +104,19 @@ def test_lease_expiry_frees_blocks(loaded):
         assert eng.metrics.lease_expired._value.get() == 1
     finally:
         eng.stop()
+
+
+def test_room_tokens_lease_blocks_past_the_prompt(loaded):
+    """room_tokens=1: a 32-token prompt (2 blocks of 16) leases 3, for a decode sent prompt + [t1];
+    the room counts against the pool at submit too."""
+    eng = make_engine(loaded, num_blocks=4)
+    try:
+        r = eng.submit(PrefillRequest("r", tuple([5] * 32), room_tokens=1)).result(timeout=60)
+        assert eng.pool.num_used == 3 and r.num_prompt_tokens == 32
+        assert eng.abort("r") and eng.pool.num_used == 0
+        eng.submit(PrefillRequest("fits", tuple([5] * 63), room_tokens=1)).result(timeout=60)
+        eng.abort("fits")
+        with pytest.raises(InvalidRequest, match="shorter prompt"):
+            eng.submit(PrefillRequest("over", tuple([5] * 64), room_tokens=1))
+    finally:
+        eng.stop()

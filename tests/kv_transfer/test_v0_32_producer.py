@@ -259,3 +259,18 @@ def test_discover_refuses_unknown_versions(fake_vllm):
 def test_discover_unreachable():
     with pytest.raises(DecodeUnavailable):
         v0_32.discover_decode("http://127.0.0.1:9", attn_backend_name="CPU_ATTN", timeout_s=1.0)
+
+
+def test_params_for_prompt_offer_as_many_blocks_as_the_decode_allocates(producer, pool):
+    """A decode sent prompt + [t1] allocates a block more when the prompt fills its last block
+    (vLLM asserts the prefill offers as many); one sent the prompt alone reads the last blocks of
+    the list, so the room past the prompt must not be offered to it."""
+    blocks = pool.allocate(3)  # 32 prompt tokens (2 blocks of 16) and room for one more
+    params = producer.publish("room", blocks, 32)
+    assert params["remote_block_ids"] == [blocks] and params["remote_num_tokens"] == 32
+    assert v0_32.params_for_prompt(params, 33, BS)["remote_block_ids"] == [blocks]
+    alone = v0_32.params_for_prompt(params, 32, BS)
+    assert alone["remote_block_ids"] == [blocks[:2]] and alone["remote_num_tokens"] == 32
+    assert params["remote_block_ids"] == [blocks]  # (a copy: the published params are unchanged)
+    with pytest.raises(ValueError, match="needs 4 blocks"):
+        v0_32.params_for_prompt(params, 49, BS)
