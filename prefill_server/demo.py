@@ -2,8 +2,9 @@
 
 1. converts the embedded SmolLM2-135M-Instruct (once), 2. starts a real vLLM decode from
 ``.venv-vllm`` (stock NixlConnector consumer), 3. starts ``prefill-server serve`` in front of it,
-4. sends one chat request through the prefill server and the same request to vLLM alone, prints
-both answers and whether they are identical, 5. stops everything.
+4. sends one warm-up request through each, then one chat request through the prefill server and the
+same request to vLLM alone, prints both answers (with their times: both warm) and whether they
+are identical, 5. stops everything.
 """
 from __future__ import annotations
 
@@ -54,11 +55,13 @@ def run_demo(prompt: str, dtype: str = "float32") -> int:
         print(f"vLLM decode ready at {decode.url}; starting prefill-server ...", flush=True)
         server, url = _start_server(decode, dtype, logs / "prefill-server.log")
         try:
-            print(f"prefill-server ready at {url}\n\nuser: {prompt}")
+            print(f"prefill-server ready at {url}; one warm-up request through it ...", flush=True)
+            _chat(url, "Warm up.")  # the first request through each pays one-time costs: time warm ones
+            print(f"\nuser: {prompt}")
             ours, t_ours = _chat(url, prompt)
             alone, t_alone = _chat(decode.url, prompt)
-            print(f"\nassistant (prefill-server -> vLLM decode, {t_ours:.2f} s):\n{ours}")
-            print(f"\nassistant (vLLM alone, {t_alone:.2f} s):\n{alone}")
+            print(f"\nassistant (prefill-server -> vLLM decode, {t_ours:.2f} s, warm):\n{ours}")
+            print(f"\nassistant (vLLM alone, {t_alone:.2f} s, warm):\n{alone}")
             same = ours == alone
             print(f"\nidentical: {'yes' if same else 'NO'}")
             metrics = httpx.get(f"{url}/metrics", timeout=30).text

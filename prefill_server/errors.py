@@ -9,10 +9,11 @@ class PrefillError(Exception):
     http_status = 500
     grpc_code = "INTERNAL"
 
-    def __init__(self, message: str, field: str | None = None):
+    def __init__(self, message: str, field: str | None = None, retry_after_s: float | None = None):
         super().__init__(message)
         self.message = message
         self.field = field
+        self.retry_after_s = retry_after_s  # HTTP Retry-After / gRPC "retry-after" metadata
 
 
 class InvalidRequest(PrefillError, ValueError):
@@ -33,9 +34,18 @@ class PromptTooLong(InvalidRequest):
 
 
 class PoolExhausted(PrefillError):
-    """Not enough free KV blocks right now (retry later or send a shorter prompt)."""
+    """Not enough free KV blocks came free in time (they are held by running requests and by
+    leases that decodes have not read yet): retry later, or give the server a larger pool."""
 
     http_status = 503
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+
+class Overloaded(PrefillError):
+    """More prompt tokens are queued than the engine can start within the queue deadline: shed
+    at once (with a Retry-After) rather than time out late."""
+
+    http_status = 429
     grpc_code = "RESOURCE_EXHAUSTED"
 
 
@@ -49,6 +59,12 @@ class DecodeUnavailable(PrefillError):
 
     http_status = 502
     grpc_code = "UNAVAILABLE"
+
+
+class DecodeDown(DecodeUnavailable):
+    """The decode is known to be down (its health check fails): refused before any prefill."""
+
+    http_status = 503
 
 
 class RequestCancelled(PrefillError):

@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from prefill_server.connector_config import NIXL_CONSUMER
+
 REPO = pathlib.Path(__file__).resolve().parents[1]  # the checkout (editable install)
 # the decode's own virtual environment (scripts/setup.sh makes it); PREFILL_VLLM_VENV overrides
 DEFAULT_VENV = pathlib.Path(os.environ.get("PREFILL_VLLM_VENV") or REPO / ".venv-vllm")
 FATAL_MARKERS = ("EngineCore failed to start", "Engine core initialization failed")
-NIXL_CONSUMER = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
 
 
 def free_port(host: str = "127.0.0.1") -> int:

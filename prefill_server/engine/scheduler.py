@@ -83,6 +83,9 @@ class Scheduler:
         self.max_queue_wait_s = max_queue_wait_s
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # the last schedule() stopped admitting because the pool could not hold the next prompt
+        # (else the queue waits for compute: the token budget or max_num_seqs)
+        self.blocked_on_kv = False
 
     def blocks_for(self, seq_or_n, push: bool = False) -> int:
         if isinstance(seq_or_n, Sequence):
@@ -114,9 +117,16 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def pending_tokens(self) -> int:
+        """Prompt tokens still to compute: the rest of the running prompts and all waiting ones."""
+        return (sum(s.num_tokens - s.num_computed for s in self.running)
+                + sum(s.num_tokens for s in self.waiting))
+
     def schedule(self) -> tuple[list[Chunk], list[Sequence]]:
-        """Returns (chunks to compute this step, sequences that timed out waiting for KV blocks)."""
+        """Returns (chunks to compute this step, sequences that waited longer than max_queue_wait_s
+        to start; ``blocked_on_kv`` says whether the pool or compute held the queue up)."""
         chunks: list[Chunk] = []
+        self.blocked_on_kv = False
         budget = self.token_budget
         for seq in self.running:
             if budget <= 0:
@@ -139,6 +149,7 @@ class Scheduler:
             try:
                 seq.block_ids = self.pool.allocate(self.blocks_for(seq))
             except PoolExhausted:
+                self.blocked_on_kv = True
                 break  # FIFO: wait for leases to end rather than starve long prompts
             self.waiting.remove(seq)
             seq.t_first_scheduled = now

@@ -64,6 +64,12 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token stands for: its vocabulary string's length (one
+        character per byte in byte-level BPE vocabularies, as long as the text in the others)."""
+        return max(1, max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1))
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hmac
 import importlib.metadata
 import ipaddress
 import json
@@ -41,6 +40,7 @@ from grpc_reflection.v1alpha import reflection
 
 from prefill_server.engine.types import PrefillResult, SamplingParams
 from prefill_server.errors import InvalidRequest, PrefillError, PromptTooLong
+from prefill_server.serving.auth import ApiKeys
 from prefill_server.serving.pb import prefill_pb2 as pb
 from prefill_server.serving.pb import prefill_pb2_grpc as pb_grpc
 from prefill_server.serving.service import PrefillService
@@ -89,33 +89,55 @@ def _parse(request, cls):
                              field="request") from None
 
 
-def _unary(cls):
+def _unary(cls, counted: bool = False):
+    """counted: a prefill call, counted in requests_total by outcome (ok, cancelled, error class)."""
     def wrap(fn):
         @functools.wraps(fn)
         async def wrapper(self, request, context):
+            count = self.count if counted else _ignore
             try:
-                return await fn(self, _parse(request, cls), context)
+                response = await fn(self, _parse(request, cls), context)
+            except asyncio.CancelledError:  # the client cancelled, or its deadline passed
+                count("cancelled")
+                raise
             except PrefillError as e:
+                count(type(e).__name__)
                 await _abort(context, e)
             except Exception as e:  # a bug: never UNKNOWN, never a dead server
+                count("InternalError")
                 await _abort(context, _internal(e))
+            else:
+                count("ok")
+                return response
         return wrapper
     return wrap
 
 
-def _server_stream(cls):
+def _server_stream(cls, counted: bool = False):
     def wrap(fn):
         @functools.wraps(fn)
         async def wrapper(self, request, context):
+            count = self.count if counted else _ignore
             try:
                 async for event in fn(self, _parse(request, cls), context):
                     yield event
+            except (asyncio.CancelledError, GeneratorExit):
+                count("cancelled")
+                raise
             except PrefillError as e:
+                count(type(e).__name__)
                 await _abort(context, e)
             except Exception as e:
+                count("InternalError")
                 await _abort(context, _internal(e))
+            else:
+                count("ok")
         return wrapper
     return wrap
+
+
+def _ignore(_outcome: str) -> None:
+    pass
 
 
 def _renamed(e: PrefillError, input_field: str) -> PrefillError:
@@ -183,6 +205,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self.service = service
         self.mode = MODE_TO_PB[service.transfer_mode]
 
+    def count(self, outcome: str) -> None:
+        self.service.engine.metrics.requests.labels(outcome).inc()
+
     async def _prepare(self, req: pb.PrefillRequest) -> _Prepared:
         t0 = time.monotonic()
         field = _input_field(req)
@@ -244,13 +269,13 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             prompt_token_ids=p.token_ids if return_ids else ())
 
     # ---- RPCs ----
-    @_unary(pb.PrefillRequest)
+    @_unary(pb.PrefillRequest, counted=True)
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
         p = await self._prepare(request)
         result = await self._prefill(p, context)
         return self._response(p, result, request.return_prompt_token_ids)
 
-    @_server_stream(pb.PrefillRequest)
+    @_server_stream(pb.PrefillRequest, counted=True)
     async def PrefillStream(self, request: pb.PrefillRequest, context):
         p = await self._prepare(request)
         total = len(p.token_ids)
@@ -350,16 +375,15 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Requires ``authorization: Bearer <key>`` on prefill.v1 calls; health and reflection stay open
     (load balancers and grpcurl probe them without keys)."""
 
-    def __init__(self, api_key: str):
-        self._expected = f"Bearer {api_key}".encode()
+    def __init__(self, api_keys: ApiKeys):
+        self._keys = api_keys
         self._unary = grpc.unary_unary_rpc_method_handler(_deny)
         self._stream = grpc.unary_stream_rpc_method_handler(_deny_stream)
 
     async def intercept_service(self, continuation, details):
         if details.method.startswith(f"/{SERVICE_NAME}/"):
             got = next((v for k, v in details.invocation_metadata or () if k == "authorization"), "")
-            got = got.encode() if isinstance(got, str) else got
-            if not hmac.compare_digest(got, self._expected):
+            if self._keys.check(got) is not None:
                 return self._stream if details.method.endswith("/PrefillStream") else self._unary
         return await continuation(details)
 
@@ -371,6 +395,12 @@ class GrpcServer:
 
     def __init__(self, server: grpc.aio.Server, port: int, health_servicer):
         self.server, self.port, self.health = server, port, health_servicer
+
+    async def set_serving(self, serving: bool) -> None:
+        """Follow the decode's health (no effect once shutting down)."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
 
     async def stop(self, grace_s: float | None = 5.0) -> None:
         """Report NOT_SERVING, finish in-flight calls for grace_s, then cancel the rest (freeing their KV)."""
@@ -407,7 +437,7 @@ def _is_loopback(host: str) -> bool:
 
 
 async def start_grpc(service: PrefillService, host: str = "127.0.0.1", port: int = 0, *,
-                     api_key: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+                     api_keys: ApiKeys | None = None, tls_cert: str | None = None, tls_key: str | None = None,
                      tls_client_ca: str | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES,
                      ) -> GrpcServer:
     """Start prefill.v1.PrefillService + grpc.health.v1 + reflection on host:port in the running loop.
@@ -422,7 +452,7 @@ async def start_grpc(service: PrefillService, host: str = "127.0.0.1", port: int
     options = [("grpc.max_receive_message_length", max_message_bytes),
                ("grpc.max_send_message_length", max_message_bytes),
                ("grpc.so_reuseport", 0)]  # a port already in use is an error, not a shared listener
-    interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
+    interceptors = [ApiKeyInterceptor(api_keys)] if api_keys else []
     server = grpc.aio.server(options=options, interceptors=interceptors)
     handlers = _method_handlers(PrefillServicer(service))
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
@@ -446,7 +476,7 @@ async def start_grpc(service: PrefillService, host: str = "127.0.0.1", port: int
         raise OSError(f"gRPC cannot listen on {addr} ({e}); is the port in use?") from None
     if not tls_cert and not _is_loopback(host):
         log.warning("gRPC listens on %s without TLS: requests%s travel in clear; pass --grpc-tls-cert "
-                    "and --grpc-tls-key", addr, " and the API key" if api_key else "")
+                    "and --grpc-tls-key", addr, " and the API key" if api_keys else "")
     await server.start()
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     return GrpcServer(server, bound, health_servicer)

@@ -1,36 +1,45 @@
-"""OpenAI-compatible HTTP gateway: prefill here, then the decode answers with our KV.
+"""OpenAI-compatible HTTP front end: HTTP to and from the gateway's calls (``gateway.py`` holds the
+prefill-then-decode policy), nothing more.
 
-POST /v1/completions and /v1/chat/completions (stream and non-stream), GET /v1/models, /health,
-/metrics. Errors are OpenAI-shaped JSON with a 4xx/5xx status and a message that says what to change.
+POST /v1/completions and /v1/chat/completions (stream and non-stream), GET /v1/models, /metrics,
+/health (readiness: 503 while the engine loop is dead or the decode is down) and /livez (liveness).
+Errors are OpenAI-shaped JSON with a 4xx/5xx status and a message that says what to change; a 429 or
+503 that may pass carries Retry-After. Bodies are limited (413) and a client that hangs up cancels
+its request (``request_guard.py``).
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
-import time
-import uuid
 from itertools import compress, repeat
-from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from prefill_server.engine.types import PrefillResult, SamplingParams
-from prefill_server.errors import InvalidRequest, PrefillError, Unauthenticated
-from prefill_server.serving import first_token as ft
-from prefill_server.serving import openai_schema as schema
-from prefill_server.serving.proxy import DecodeClient
+from prefill_server.errors import InvalidRequest, PrefillError
+from prefill_server.serving.auth import ApiKeys
+from prefill_server.serving.decode_client import DecodeClient
+from prefill_server.serving.decode_health import DecodeHealth
+from prefill_server.serving.gateway import Answer, Gateway
+from prefill_server.serving.request_guard import RequestGuard
 from prefill_server.serving.service import PrefillService
 
 log = logging.getLogger(__name__)
 
 
-def _error(status: int, message: str, etype: str, param: str | None = None) -> JSONResponse:
+DEFAULT_MAX_BODY_BYTES = 64 * 2**20  # a 1M-token prompt as token ids is ~7 MB of JSON
+_PARSE_OFF_LOOP_BYTES = 2**20  # larger bodies are parsed in a thread: the loop keeps answering /health
+
+
+def _error(status: int, message: str, etype: str, param: str | None = None,
+           retry_after_s: float | None = None) -> JSONResponse:
+    headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))} if retry_after_s else None
     return JSONResponse({"error": {"message": message, "type": etype, "param": param, "code": status}},
-                        status_code=status)
+                        status_code=status, headers=headers)
 
 
 class UnsupportedMediaType(InvalidRequest):
@@ -91,13 +100,36 @@ def _finite_float(text: str) -> float:
     return x
 
 
-def create_app(service: PrefillService, decode: DecodeClient | None, api_key: str | None = None) -> FastAPI:
-    app = FastAPI(title="prefill-server", docs_url=None, redoc_url=None)
+def create_app(service: PrefillService, decode: DecodeClient | None, api_keys: ApiKeys | None = None, *,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, health: DecodeHealth | None = None,
+               decode_health_interval_s: float = 5.0, drain: asyncio.Event | None = None):
+    """The ASGI app. ``health``: the decode's health checker (made here from ``decode`` if not
+    given); it runs while the app does. ``drain``: set once the server is shutting down (readiness
+    then fails, so load balancers stop sending)."""
+    if decode is not None and health is None:
+        health = DecodeHealth(decode, decode_health_interval_s)
+    gateway = Gateway(service, decode, health)
     metrics = service.engine.metrics
+    if health is not None:
+        metrics.decode_up.set(1)
+        health.subscribe(lambda up: metrics.decode_up.set(1 if up else 0))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        if health is not None:
+            health.start()
+        try:
+            yield
+        finally:
+            if health is not None:
+                await health.stop()
+
+    app = FastAPI(title="prefill-server", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.gateway, app.state.decode_health = gateway, health
 
     @app.exception_handler(PrefillError)
     async def _prefill_error(_req: Request, e: PrefillError):
-        return _error(e.http_status, e.message, type(e).__name__, e.field)
+        return _error(e.http_status, e.message, type(e).__name__, e.field, e.retry_after_s)
 
     @app.exception_handler(HTTPException)  # no such path, or a wrong method: OpenAI-shaped too
     async def _http_error(req: Request, e: HTTPException):
@@ -105,7 +137,7 @@ def create_app(service: PrefillService, decode: DecodeClient | None, api_key: st
         message = f"{e.detail}: {req.method} {req.url.path}"
         if e.status_code == 404:
             message += ("; this server serves POST /v1/completions, POST /v1/chat/completions, "
-                        "GET /v1/models, GET /health and GET /metrics")
+                        "GET /v1/models, GET /health, GET /livez and GET /metrics")
         elif allow := {k.lower(): v for k, v in headers.items()}.get("allow"):
             message += f"; use {allow}"
         resp = _error(e.status_code, message, str(e.detail).title().replace(" ", ""))
@@ -119,9 +151,8 @@ def create_app(service: PrefillService, decode: DecodeClient | None, api_key: st
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                e = Unauthenticated("missing or wrong API key: send 'Authorization: Bearer <key>'")
+        if api_keys is not None and api_keys.protects(request.url.path):
+            if (e := api_keys.check(request.headers.get("authorization"))) is not None:
                 return _error(e.http_status, e.message, "Unauthenticated")
         return await call_next(request)
 
@@ -130,15 +161,35 @@ def create_app(service: PrefillService, decode: DecodeClient | None, api_key: st
         if media != "application/json" and not media.endswith("+json"):
             raise UnsupportedMediaType(f"Content-Type {media!r} is not supported: send the body as JSON "
                                        "with 'Content-Type: application/json'", field="content-type")
-        return _parse_json(await request.body())
+        raw = await request.body()
+        if len(raw) > _PARSE_OFF_LOOP_BYTES:
+            return await asyncio.to_thread(_parse_json, raw)
+        return _parse_json(raw)
 
-    def sampling_of(b: schema._Body) -> SamplingParams:
-        return SamplingParams(temperature=b.temperature if b.temperature is not None else 1.0,
-                              top_p=b.top_p if b.top_p is not None else 1.0,
-                              top_k=b.top_k if b.top_k is not None else -1, seed=b.seed)
+    def reply(answer) -> Response:
+        if not isinstance(answer, Answer):
+            return StreamingResponse(answer.events, media_type="text/event-stream")
+        if isinstance(answer.body, dict):
+            return JSONResponse(answer.body, status_code=answer.status)
+        return Response(answer.body, answer.status, media_type="application/json")
+
+    @app.get("/livez")
+    async def livez():
+        """Liveness: the process answers and its engine loop runs (restart it otherwise)."""
+        if not service.engine.alive():
+            return JSONResponse({"status": "dead", "reasons": ["the engine loop has stopped"]}, status_code=503)
+        return {"status": "ok"}
 
     @app.get("/health")
-    async def health():
+    async def ready():
+        """Readiness: the engine loop runs, the model is loaded and the decode answers."""
+        reasons = [] if service.engine.alive() else ["the engine loop has stopped"]
+        if drain is not None and drain.is_set():
+            reasons.append("the server is shutting down")
+        if health is not None and not health.up:
+            reasons.append(f"the decode at {health.client.base_url} is down ({health.reason})")
+        if reasons:
+            return JSONResponse({"status": "unavailable", "reasons": reasons}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -154,153 +205,10 @@ def create_app(service: PrefillService, decode: DecodeClient | None, api_key: st
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        raw = await read_json(request)
-        body = schema.parse(schema.CompletionBody, raw)
-        service.check_model(body.model)
-        token_ids = service.encode_prompt(schema.single_prompt(body.prompt))
-        out = dict(raw, prompt=token_ids)  # the decode gets exactly the tokens we prefilled
-        return await run(request, "/v1/completions", out, token_ids, sampling_of(body), body.stream,
-                         first_plan("completion", raw))
+        return reply(await gateway.completion(await read_json(request)))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        raw = await read_json(request)
-        body = schema.parse(schema.ChatBody, raw)
-        service.check_model(body.model)
-        kwargs = {"tools": body.tools} if body.tools else {}
-        token_ids = service.encode_chat(schema.chat_messages(body), **kwargs)
-        return await run(request, "/v1/chat/completions", dict(raw), token_ids, sampling_of(body), body.stream,
-                         first_plan("chat", raw))
+        return reply(await gateway.chat(await read_json(request)))
 
-    def first_plan(kind: str, raw: dict) -> ft.Plan | None:
-        if service.first_token != "prefill" or service.transfer_mode not in ("nixl-compat", "connector"):
-            return None
-        return ft.plan(kind, raw)
-
-    async def run(request: Request, path: str, out: dict, token_ids: list[int], sampling: SamplingParams,
-                  stream: bool, plan: ft.Plan | None = None) -> Response:
-        t0 = time.monotonic()
-        pull_later = service.transfer_mode == "connector"  # computed first: the decode pulls
-        if pull_later and not (plan and service.fits_whole(len(token_ids))):
-            return await run_push(path, out, token_ids, sampling, stream, t0)
-        # a decode continuing from prompt + [t1] allocates KV for t1's position too: lease room for it
-        room = 1 if plan and not pull_later else 0
-        result = await service.prefill(token_ids, sampling, num_logprobs=plan.num_logprobs if plan else None,
-                                       pull_later=pull_later, room_tokens=room)
-        if decode is None:  # transfer mode "local": answer with the first token only
-            service.release(result.request_id)
-            return JSONResponse(_local_answer(service, path, result))
-        first = plan and ft.first_token(plan, service.tokenizer, service.eos_token_ids, token_ids,
-                                        result.first_token_id, result.first_logprobs, service.info.max_model_len)
-        metrics.first_token.labels("prefill" if first else "decode").inc()
-        params = service.params_for_prompt(result.kv_transfer_params, len(token_ids) + (1 if first else 0))
-        if first:  # the decode continues from prompt + [t1] (serving/first_token.py)
-            path, out = "/v1/completions", first.decode_body(token_ids, service.info.served_name, params)
-        return await to_decode(path, out, result.request_id, params, len(token_ids),
-                               stream, t0, first=first, release_after=pull_later)
-
-    async def run_push(path: str, out: dict, token_ids: list[int], sampling: SamplingParams, stream: bool,
-                       t0: float) -> Response:
-        """Connector mode: decode and prefill at once; the decode's connector registers its blocks
-        with the prefill, which WRITEs each layer as it is computed; the decode answers."""
-        rid, params, prefill = service.start_push(token_ids, sampling)
-        prefill.add_done_callback(_consume)
-        return await to_decode(path, out, rid, params, len(token_ids), stream, t0, prefill)
-
-    async def to_decode(path: str, out: dict, rid: str, params: dict, n_tokens: int, stream: bool,
-                        t0: float, prefill: asyncio.Future | None = None,
-                        first: ft.FirstToken | None = None, release_after: bool = False) -> Response:
-        """Send the request to the decode with kv_transfer_params and relay its answer (with
-        ``first``: t1 first, then the decode's continuation, rewritten). Whenever the decode will not
-        use our KV (unreachable, refused, client gone), free it at once. release_after: also once
-        it has answered (a lease the decode did not read: e.g. its own prefix cache had the prompt)."""
-        out["kv_transfer_params"] = params
-        out.setdefault("model", service.info.served_name)
-        try:
-            if stream:
-                resp = await decode.open_stream(path, out)
-                if resp.status_code >= 400:
-                    content = await resp.aread()
-                    await resp.aclose()
-                    service.release(rid)
-                    return Response(content, resp.status_code, media_type="application/json")
-                metrics.e2e_time.observe(time.monotonic() - t0)
-                relay = (_relay_first(first.stream_start(), resp, service.info.served_name) if first
-                         else decode.relay(resp))
-                if release_after:
-                    relay = _then(relay, lambda: service.release(rid))
-                return StreamingResponse(relay, media_type="text/event-stream")
-            resp = await decode.post(path, out)
-        except BaseException:  # unreachable decode, client gone
-            service.release(rid)
-            metrics.kv_failed.inc()
-            raise
-        if resp.status_code >= 400:  # the decode refused or failed: it will not use our KV
-            service.release(rid)
-            metrics.kv_failed.inc()
-            if prefill is not None:  # connector mode: the prefill's reason says more than a 500
-                await asyncio.wait([prefill], timeout=2.0)
-                if prefill.done() and not prefill.cancelled() and (e := prefill.exception()) is not None:
-                    if isinstance(e, PrefillError):
-                        raise e
-                    raise PrefillError(f"the prefill failed ({type(e).__name__}: {e}); the decode "
-                                       "could not use its KV") from e
-        metrics.e2e_time.observe(time.monotonic() - t0)
-        if release_after:
-            service.release(rid)
-        if first and resp.status_code < 400:
-            _check_prompt_tokens(resp, n_tokens + 1, rid)
-            return JSONResponse(first.merge(resp.json()))
-        _check_prompt_tokens(resp, n_tokens, rid)
-        return Response(resp.content, resp.status_code, media_type="application/json")
-
-    return app
-
-
-async def _relay_first(state: ft.StreamState, resp, model: str) -> AsyncIterator[bytes]:
-    """t1's events first, then the decode's, rewritten (serving/first_token.py)."""
-    try:
-        yield state.first(model)
-        async for line in resp.aiter_lines():
-            if line.startswith("data:"):
-                yield state.event(line[5:].strip())
-    finally:
-        await resp.aclose()
-
-
-async def _then(gen: AsyncIterator[bytes], done) -> AsyncIterator[bytes]:
-    try:
-        async for chunk in gen:
-            yield chunk
-    finally:
-        done()
-
-
-def _consume(fut) -> None:
-    """Retrieve a background prefill's exception so asyncio does not log it as unhandled."""
-    if not fut.cancelled() and fut.exception() is not None:
-        log.info("streamed prefill ended with %s", type(fut.exception()).__name__)
-
-
-def _check_prompt_tokens(resp, n: int, rid: str) -> None:
-    """The decode must have used exactly our tokens; a mismatch means tokenizers disagree."""
-    try:
-        used = resp.json().get("usage", {}).get("prompt_tokens")
-    except Exception:
-        return
-    if used is not None and used != n:
-        log.error("request %s: decode counted %s prompt tokens, the prefill %d (tokenizer mismatch?)",
-                  rid, used, n)
-
-
-def _local_answer(service: PrefillService, path: str, r: PrefillResult) -> dict:
-    text = service.tokenizer.decode([r.first_token_id])
-    usage = {"prompt_tokens": r.num_prompt_tokens, "completion_tokens": 1,
-             "total_tokens": r.num_prompt_tokens + 1}
-    base = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": service.info.served_name,
-            "usage": usage}
-    if path.endswith("chat/completions"):
-        return {**base, "object": "chat.completion", "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}]}
-    return {**base, "object": "text_completion", "choices": [
-        {"index": 0, "text": text, "finish_reason": "length", "logprobs": None}]}
+    return RequestGuard(app, max_body_bytes)

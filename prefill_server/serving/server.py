@@ -2,36 +2,39 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
+import signal
 import socket
 import sys
-from dataclasses import dataclass
 
 import uvicorn
 
+from kv_transfer.vllm import discovery
+from kv_transfer.vllm.discovery import DecodeFacts
 from prefill_server.config import EngineConfig, ServerConfig
 from prefill_server.engine import build
 from prefill_server.engine.engine import Engine
 from prefill_server.engine.local_producer import LocalProducer
 from prefill_server.serving.grpc_server import start_grpc
 from prefill_server.serving.http import create_app
-from prefill_server.serving.proxy import DecodeClient
+from prefill_server.serving.auth import ApiKeys, load_api_key
+from prefill_server.serving.decode_client import DecodeClient
+from prefill_server.serving.decode_health import DecodeHealth
 from prefill_server.serving.service import ModelInfo, PrefillService
 
 log = logging.getLogger(__name__)
 
 
-def build_service(ecfg: EngineConfig, scfg: ServerConfig) -> PrefillService:
+def build_service(ecfg: EngineConfig, scfg: ServerConfig, facts: DecodeFacts | None = None) -> PrefillService:
+    """The engine, its transfer producer and the serving core. ``facts``: the decode as already
+    discovered (else it is asked here, waiting up to ``scfg.decode_wait_s`` for it to come up)."""
+    if scfg.transfer_mode != "local" and facts is None:
+        facts = discovery.wait_for(scfg.decode_url, scfg.decode_wait_s)
+    ecfg = follow_decode(ecfg, facts)
     m = build.load(ecfg)
-    decode_info = None
-    if scfg.transfer_mode == "nixl-compat":
-        from kv_transfer.vllm.v0_32 import discover_decode
-
-        decode_info = discover_decode(scfg.decode_url, attn_backend_name=scfg.decode_attn_backend,
-                                      timeout_s=30.0)
-    elif scfg.transfer_mode == "connector":
-        decode_info = probe_decode(scfg.decode_url)
-    block_size = ecfg.block_size or (decode_info.block_size if decode_info else None)
+    block_size = ecfg.block_size or (facts.block_size if facts else None)
     pool = build.make_pool(ecfg, m, block_size)
     if scfg.transfer_mode == "connector":
         from kv_transfer import wire
@@ -49,56 +52,42 @@ def build_service(ecfg: EngineConfig, scfg: ServerConfig) -> PrefillService:
                                 host=scfg.side_channel_host, port=scfg.side_channel_port,
                                 register_timeout_s=scfg.register_timeout_s,
                                 transfer_timeout_s=transfer_timeout_s, lease_ttl_s=ecfg.lease_ttl_s)
-        served = scfg.served_model_name or decode_info.served_model_name
-    elif decode_info is None:
-        producer, served = LocalProducer(pool, ecfg.lease_ttl_s), scfg.served_model_name or m.path
+    elif facts is None:
+        producer = LocalProducer(pool, ecfg.lease_ttl_s)
     else:
-        from kv_transfer.vllm.v0_32 import NixlCompatProducer
+        from kv_transfer.vllm.v0_32 import NixlCompatProducer, decode_info
 
-        producer = NixlCompatProducer(pool, decode_info, host=scfg.side_channel_host,
-                                      port=scfg.side_channel_port, lease_ttl_s=ecfg.lease_ttl_s)
-        served = scfg.served_model_name or decode_info.served_model_name
+        producer = NixlCompatProducer(pool, decode_info(facts, attn_backend_name=scfg.decode_attn_backend),
+                                      host=scfg.side_channel_host, port=scfg.side_channel_port,
+                                      lease_ttl_s=ecfg.lease_ttl_s)
+    served = scfg.served_model_name or (facts.served_model_name if facts else m.path)
     c = m.config
+    max_len, max_len_source = c.max_position_embeddings, "the model's context"
+    if facts is not None and facts.max_model_len is not None and facts.max_model_len < max_len:
+        max_len, max_len_source = facts.max_model_len, "the decode's --max-model-len"
     if m.device.type == "cpu":
         build.configure_cpu(ecfg, pool.block_size)
     runner = build.make_runner(m, pool, ecfg.attention)
-    engine = Engine(runner, pool, producer, max_model_len=c.max_position_embeddings, vocab_size=c.vocab_size,
+    engine = Engine(runner, pool, producer, max_model_len=max_len, vocab_size=c.vocab_size,
                     token_budget=ecfg.token_budget, max_num_seqs=ecfg.max_num_seqs,
                     max_queue_wait_s=ecfg.max_queue_wait_s)
-    info = ModelInfo(served, m.path, c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size,
-                     c.max_position_embeddings, str(m.dtype).removeprefix("torch."), pool.block_size)
+    info = ModelInfo(served, m.path, c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size, max_len,
+                     str(m.dtype).removeprefix("torch."), pool.block_size, max_model_len_source=max_len_source)
     return PrefillService(engine, m.tokenizer, info, scfg.transfer_mode, first_token=scfg.first_token_mode,
                           eos_token_ids=c.eos_token_ids)
 
 
-@dataclass(frozen=True)
-class ProbedDecode:
-    served_model_name: str
-    block_size: int | None
-
-
-def probe_decode(url: str, timeout_s: float = 30.0) -> ProbedDecode:
-    """Connector mode needs no vLLM-version facts: the decode's model id and, when its /metrics
-    shows it, its KV block size (our pool must use the same; its connector checks it)."""
-    import re
-
-    import httpx
-
-    from prefill_server.errors import DecodeUnavailable
-
-    base = url.rstrip("/")
-    try:
-        with httpx.Client(timeout=timeout_s) as http:
-            models = http.get(f"{base}/v1/models").raise_for_status().json()["data"]
-            metrics = http.get(f"{base}/metrics")
-    except (httpx.HTTPError, KeyError, ValueError) as e:
-        raise DecodeUnavailable(f"cannot query the decode at {base}/v1/models ({e}); check --decode-url "
-                                "and that the decode is up") from None
-    if not models:
-        raise DecodeUnavailable(f"the decode at {base} serves no model")
-    hit = re.search(r'vllm:cache_config_info\{[^}]*block_size="(\d+)"', metrics.text) \
-        if metrics.status_code == 200 else None
-    return ProbedDecode(str(models[0]["id"]), int(hit.group(1)) if hit else None)
+def follow_decode(ecfg: EngineConfig, facts: DecodeFacts | None) -> EngineConfig:
+    """``--dtype auto`` is the decode's dtype when it says (VLLM_SERVER_DEV_MODE=1); an explicit
+    one must be the decode's: the KV we send is only usable in the decode's own dtype."""
+    if facts is None or facts.dtype is None:
+        return ecfg
+    if ecfg.dtype == "auto":
+        return dataclasses.replace(ecfg, dtype=facts.dtype)
+    if ecfg.dtype != facts.dtype:
+        raise ValueError(f"--dtype {ecfg.dtype}, but the decode at {facts.url} runs {facts.dtype}: start the "
+                         f"prefill with --dtype {facts.dtype} (or auto), or the decode with --dtype {ecfg.dtype}")
+    return ecfg
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -111,22 +100,58 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: it re-raises a caught SIGTERM once it has served,
+    which ends the process before our cleanup (gRPC drain, engine stop) runs. ``serve`` handles
+    the signals itself."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
 def serve(ecfg: EngineConfig, scfg: ServerConfig) -> None:
+    api_key = load_api_key(scfg.api_key, scfg.api_key_file)
+    api_keys = ApiKeys(api_key, scfg.protect_metrics) if api_key else None
+    if scfg.protect_metrics and api_keys is None:
+        raise ValueError("--protect-metrics needs an API key (--api-key-file, PREFILL_SERVER_API_KEY or --api-key)")
     service = build_service(ecfg, scfg)
-    decode = DecodeClient(scfg.decode_url, scfg.decode_timeout_s) if scfg.transfer_mode != "local" else None
-    app = create_app(service, decode, scfg.api_key)
     sock = bind(scfg.host, scfg.port)
     host, port = sock.getsockname()[:2]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
 
     async def main() -> None:
-        service.engine.start()
+        decode = DecodeClient(scfg.decode_url, scfg.decode_timeout_s) if scfg.transfer_mode != "local" else None
+        health = DecodeHealth(decode, scfg.decode_health_interval_s) if decode else None
+        drain = asyncio.Event()
+        app = create_app(service, decode, api_keys, max_body_bytes=scfg.max_body_bytes, health=health,
+                         drain=drain)
+        server = _Uvicorn(uvicorn.Config(app, log_level="warning", access_log=False,
+                                         timeout_graceful_shutdown=scfg.drain_timeout_s))
+        loop = asyncio.get_running_loop()
         grpc_server = None
+
+        def on_signal(sig: signal.Signals) -> None:
+            if drain.is_set():
+                log.warning("%s again: stopping now", sig.name)
+                server.force_exit = True
+                return
+            log.warning("%s received: draining (readiness and gRPC health report NOT_SERVING, in-flight "
+                        "requests get up to %g s)", sig.name, scfg.drain_timeout_s)
+            drain.set()
+            if grpc_server is not None:
+                asyncio.ensure_future(grpc_server.health.enter_graceful_shutdown())
+            server.should_exit = True
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal, sig)
+        service.engine.start()
         try:
             if scfg.grpc_port is not None:
-                grpc_server = await start_grpc(service, scfg.host, scfg.grpc_port, api_key=scfg.api_key,
+                grpc_server = await start_grpc(service, scfg.host, scfg.grpc_port, api_keys=api_keys,
                                                tls_cert=scfg.grpc_tls_cert, tls_key=scfg.grpc_tls_key,
                                                tls_client_ca=scfg.grpc_tls_client_ca)
+                if health is not None:
+                    health.subscribe(lambda up: asyncio.ensure_future(grpc_server.set_serving(up)))
             task = asyncio.create_task(server.serve(sockets=[sock]))
             while not server.started and not task.done():
                 await asyncio.sleep(0.05)
@@ -140,11 +165,14 @@ def serve(ecfg: EngineConfig, scfg: ServerConfig) -> None:
                       + (f", decode {scfg.decode_url}" if decode else "") + ")", flush=True)
             await task
         finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
             if grpc_server:
                 await grpc_server.stop(5.0)  # in-flight calls end first; their KV is freed
             service.engine.stop()
             if decode:
                 await decode.close()
+            log.info("stopped: engine, gRPC and decode client closed")
 
     asyncio.run(main())
     sys.stdout.flush()

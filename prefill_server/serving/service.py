@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from prefill_server.engine.engine import Engine
 from prefill_server.engine.types import PrefillRequest, PrefillResult, SamplingParams
-from prefill_server.errors import InvalidRequest, UnknownModel
+from prefill_server.errors import InvalidRequest, PromptTooLong, UnknownModel
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,7 @@ class ModelInfo:
     dtype: str
     block_size: int
     kv_layout: str = "LBHNC"  # pool page layout: per layer, per block [H, N, K|V]
+    max_model_len_source: str = "the model's context"  # or "the decode's --max-model-len"
 
 
 class PrefillService:
@@ -47,7 +48,30 @@ class PrefillService:
 
     def encode_chat(self, messages: list[dict], **template_kwargs) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
+        self.check_text_length(text)
         return self.tokenizer.encode(text, add_special_tokens=False)  # the template holds the specials
+
+    def check_text_length(self, text: str) -> None:
+        """Refuse, before tokenizing it, a text too long to fit the context whatever its tokens:
+        no token covers more than ``max_token_chars`` characters (with a margin for normalizers
+        that shorten text), so the bound is exact in direction, never refusing a prompt that fits."""
+        limit = self.info.max_model_len * self.tokenizer.max_token_chars * 4
+        if len(text) > limit:
+            raise PromptTooLong(f"the prompt has {len(text)} characters, which is more than {self.info.max_model_len} "
+                                f"tokens ({self.info.max_model_len_source}) whatever its tokens: shorten it",
+                                field="prompt")
+
+    async def encode_prompt_async(self, prompt: str | list[int]) -> list[int]:
+        """``encode_prompt`` off the event loop (a long prompt takes long to tokenize)."""
+        if isinstance(prompt, str):
+            self.check_text_length(prompt)
+            return await asyncio.to_thread(self.encode_prompt, prompt)
+        return self.encode_prompt(prompt)
+
+    async def encode_chat_async(self, messages: list[dict], **template_kwargs) -> list[int]:
+        """``encode_chat`` off the event loop, after the same length check on the messages' text."""
+        self.check_text_length("".join(str(m.get("content") or "") for m in messages))
+        return await asyncio.to_thread(self.encode_chat, messages, **template_kwargs)
 
     async def prefill(self, token_ids: list[int], sampling: SamplingParams = SamplingParams(),
                       request_id: str | None = None, num_logprobs: int | None = None,

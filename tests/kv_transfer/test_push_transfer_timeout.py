@@ -17,6 +17,7 @@ import pytest
 from kv_transfer import wire
 from kv_transfer.receiver import REPROBE_S
 from kv_transfer.base import TransferState
+from kv_transfer.vllm.discovery import DecodeFacts
 from prefill_server.cli import main
 from prefill_server.config import EngineConfig, ServerConfig
 from prefill_server.errors import RequestCancelled, TransferError
@@ -180,12 +181,12 @@ def test_serve_passes_the_transfer_timeout_to_the_producer(monkeypatch):
     from prefill_server.serving import server
 
     monkeypatch.setenv("PREFILL_SERVER_SECRET", "test-secret-0123456789")
-    monkeypatch.setattr(server, "probe_decode", lambda url: server.ProbedDecode("m", BS))
+    facts = DecodeFacts(url="http://x", vllm_version="0.32.0", model="/m", served_model_name="m", block_size=BS)
     ecfg = EngineConfig(dtype="float32", num_kv_blocks=8, lease_ttl_s=20.0)
     for scfg, expected in ((ServerConfig(transfer_mode="connector", decode_url="http://x"), 20.0),
                            (ServerConfig(transfer_mode="connector", decode_url="http://x",
                                          transfer_timeout_s=7.5), 7.5)):
-        producer = server.build_service(ecfg, scfg).engine.producer
+        producer = server.build_service(ecfg, scfg, facts).engine.producer
         assert producer.transfer_timeout_s == expected
         assert producer.pull.lease_ttl_s == 20.0
 

@@ -127,7 +127,15 @@ def test_cli_prints_the_connector_config(capsys):
     assert cfg == {"kv_connector": "PrefillServerConnector", "kv_connector_module_path": "kv_transfer.vllm.connector",
                    "kv_role": "kv_consumer", "kv_connector_extra_config": {"secret_file": "/etc/s"}}
     assert main(["vllm-config"]) == 0
-    assert json.loads(capsys.readouterr().out) == {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
+    out = capsys.readouterr()
+    assert json.loads(out.out) == {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
+    assert "--block-size 32" in out.err  # the decode's other flags, off stdout
+    assert main(["vllm-config", "--format", "args", "--block-size", "64"]) == 0
+    args = capsys.readouterr().out.split()
+    assert args[:2] == ["--block-size", "64"] and args[-2] == "--kv-transfer-config"
+    assert json.loads(args[-1]) == {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
+    assert main(["vllm-config", "--format", "args", "--transfer-mode", "connector"]) == 0
+    assert "--no-enable-prefix-caching" in capsys.readouterr().out.split()
 
 
 def test_descriptors_coalesce_runs_contiguous_on_both_sides():

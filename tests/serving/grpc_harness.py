@@ -24,6 +24,8 @@ VOCAB = 260
 class ByteTokenizer:
     """UTF-8 bytes are tokens 0-255; BOS and two role tokens; a one-line chat template."""
 
+    max_token_chars = 1
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return ([BOS] if add_special_tokens else []) + list(text.encode("utf-8"))
 

@@ -14,6 +14,7 @@ from grpc_harness import BOS, GrpcHarness, make_service
 
 from prefill_server.client import (AsyncPrefillClient, DecodeFailed, PrefillClient, PrefillRpcError,
                                    stream_completion)
+from prefill_server.serving.auth import ApiKeys
 from prefill_server.serving.grpc_server import PrefillServicer, start_grpc
 from prefill_server.serving.pb import prefill_pb2 as pb
 
@@ -274,7 +275,7 @@ def test_result_published_after_the_call_was_cancelled_is_freed(h, client):
 
 
 def test_api_key():
-    hk = GrpcHarness(make_service(), api_key="s3cret")
+    hk = GrpcHarness(make_service(), api_keys=ApiKeys("s3cret"))
     try:
         for key in (None, "wrong", "s3cret "):
             with PrefillClient(hk.target, api_key=key) as c:
@@ -302,7 +303,7 @@ def test_tls(tmp_path):
                     "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
                    check=True, capture_output=True)
     ht = GrpcHarness(make_service(), tls_cert=str(tmp_path / "cert.pem"), tls_key=str(tmp_path / "key.pem"),
-                     api_key="k")
+                     api_keys=ApiKeys("k"))
     try:
         ca = (tmp_path / "cert.pem").read_bytes()
         with PrefillClient(ht.target, root_certificates=ca, api_key="k") as c:

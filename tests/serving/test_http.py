@@ -5,7 +5,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from prefill_server.serving.http import create_app
-from prefill_server.serving.proxy import DecodeClient
+from prefill_server.serving.auth import ApiKeys, load_api_key
+from prefill_server.serving.decode_client import DecodeClient
 
 
 def free_port():
@@ -84,21 +85,60 @@ def test_prompt_larger_than_pool_is_refused(client, local_service):
     assert r.status_code == 400 and "shorter prompt" in r.json()["error"]["message"]
 
 
-def test_unreachable_decode_gives_502_with_url_and_frees_kv(local_service):
+def prefills(service) -> float:
+    return sum(s.value for m in service.engine.metrics.prefills.collect() for s in m.samples
+               if s.name.endswith("_total"))
+
+
+def test_unreachable_decode_gives_502_then_fails_fast_until_it_is_back(local_service):
+    """The first request finds the decode gone (502, its KV freed); from then on the decode is known
+    down: readiness fails and requests get 503 at once, without a prefill, until /health answers."""
     url = f"http://127.0.0.1:{free_port()}"
     with TestClient(create_app(local_service, DecodeClient(url, timeout_s=5))) as c:
+        assert c.get("/health").status_code == 200
         r = c.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 4})
         assert r.status_code == 502
         assert url in r.json()["error"]["message"]
+        before = prefills(local_service)
         r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                                                  "stream": True})
-        assert r.status_code == 502
+        assert r.status_code == 503 and "is down" in r.json()["error"]["message"]
+        assert r.headers["retry-after"] and url in r.json()["error"]["message"]
+        assert prefills(local_service) == before  # refused before computing anything
+        ready = c.get("/health")
+        assert ready.status_code == 503 and url in ready.json()["reasons"][0]
+        assert c.get("/livez").status_code == 200
+        assert 'prefill_server:decode_up 0.0' in c.get("/metrics").text
     assert local_service.engine.pool.num_used == 0
 
 
 def test_api_key(local_service):
-    with TestClient(create_app(local_service, None, api_key="s3cret")) as c:
+    with TestClient(create_app(local_service, None, ApiKeys("s3cret"))) as c:
         assert c.post("/v1/completions", json={"prompt": "x"}).status_code == 401
         ok = c.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer s3cret"})
         assert ok.status_code == 200
         assert c.get("/health").status_code == 200
+        for scheme in ("bearer", "BEARER"):  # the scheme is case-insensitive (RFC 9110)
+            ok = c.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": f"{scheme} s3cret"})
+            assert ok.status_code == 200
+        for wrong in ("Bearer s3cre", "Bearer s3cret ", "Basic s3cret", "s3cret"):
+            assert c.post("/v1/completions", json={"prompt": "x"},
+                          headers={"Authorization": wrong}).status_code == 401
+        assert c.get("/metrics").status_code == 200  # open unless --protect-metrics
+    with TestClient(create_app(local_service, None, ApiKeys("s3cret", protect_metrics=True))) as c:
+        assert c.get("/metrics").status_code == 401
+        assert c.get("/metrics", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert c.get("/health").status_code == 200 and c.get("/livez").status_code == 200
+
+
+def test_api_key_sources(tmp_path):
+    """--api-key-file and PREFILL_SERVER_API_KEY keep the key out of ps."""
+    f = tmp_path / "key"
+    f.write_text("from-file\n")
+    assert load_api_key(key_file=str(f), environ={}) == "from-file"
+    assert load_api_key(environ={"PREFILL_SERVER_API_KEY": "from-env"}) == "from-env"
+    assert load_api_key("flag", environ={"PREFILL_SERVER_API_KEY": "from-env"}) == "flag"
+    assert load_api_key(environ={}) is None
+    for bad in ({"key": "a", "key_file": str(f)}, {"key_file": str(tmp_path / "none")}, {"key": "a b"}):
+        with pytest.raises(ValueError):
+            load_api_key(**bad, environ={})

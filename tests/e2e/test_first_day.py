@@ -1,0 +1,150 @@
+"""A new user's first day against a real vLLM 0.32 decode (nixl-compat, fp32): a client that hangs
+up cancels its prefill and never reaches the decode, or aborts the decode's answer; limits come from
+the decode (its --max-model-len 4096 < the model's 8192); --dtype auto follows it; a prefill started
+before its decode waits for it; a decode killed mid-answer gives the client an error, readiness
+follows it and requests fail fast; SIGTERM drains and exits cleanly. (The block-boundary sweep is
+test_block_boundaries.py.)"""
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from gateway import GatewayThread
+from prompts import all_prompts
+from prefill_server.config import EngineConfig, ServerConfig
+from prefill_server.local_vllm import VllmDecode, free_port
+from prefill_server.serving.server import build_service
+
+pytestmark = pytest.mark.e2e
+EXE = str(pathlib.Path(sys.executable).parent / "prefill-server")
+
+
+def metric(url: str, name: str, labels: str = "") -> float:
+    m = re.search(rf"^{re.escape(name + labels)} (\S+)$", httpx.get(url + "/metrics", timeout=30).text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def decode_requests(decode: VllmDecode) -> float:
+    """Requests the decode has received (vLLM counts every prompt it admits)."""
+    text = httpx.get(decode.url + "/metrics", timeout=30).text
+    return sum(float(v) for v in re.findall(r"^vllm:prompt_tokens_total\{[^}]*\} (\S+)$", text, re.M))
+
+
+@pytest.fixture(scope="module")
+def gateway(vllm_decode):
+    svc = build_service(EngineConfig(model=vllm_decode.model, dtype="auto", kv_cache_gib=0.25, token_budget=256),
+                        ServerConfig(transfer_mode="nixl-compat", decode_url=vllm_decode.url))
+    gw = GatewayThread(svc, vllm_decode.url).start()
+    yield gw
+    gw.stop()
+
+
+def test_dtype_auto_is_the_decodes(vllm_decode, gateway):
+    assert str(gateway.service.engine.pool.dtype) == f"torch.{vllm_decode.dtype}" == "torch.float32"
+
+
+def test_client_gone_mid_prefill_is_cancelled_and_never_forwarded(vllm_decode, gateway):
+    long = max((p for p in all_prompts() if p.kind == "plain"), key=lambda p: p.approx_tokens)
+    url = gateway.url
+    seen = decode_requests(vllm_decode)
+    cancelled = metric(url, "prefill_server:prefills_total", '{outcome="RequestCancelled"}')
+    with pytest.raises(httpx.ReadTimeout):  # ~3K tokens in steps of 256: seconds of prefill
+        httpx.post(url + "/v1/completions", json={"prompt": long.text, "max_tokens": 8, "temperature": 0},
+                   timeout=1.0)
+    deadline = time.monotonic() + 10
+    while metric(url, "prefill_server:prefills_total", '{outcome="RequestCancelled"}') == cancelled:
+        assert time.monotonic() < deadline, "the prefill ran on after its client had gone"
+        time.sleep(0.1)
+    assert gateway.wait_pool_empty() == 0
+    assert metric(url, "prefill_server:requests_total", '{outcome="cancelled"}') >= 1
+    time.sleep(1.0)
+    assert decode_requests(vllm_decode) == seen, "a cancelled request reached the decode"
+
+
+def running(decode: VllmDecode) -> float:
+    text = httpx.get(decode.url + "/metrics", timeout=30).text
+    return sum(float(v) for v in re.findall(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", text, re.M))
+
+
+def test_client_gone_mid_answer_aborts_the_decode(vllm_decode, gateway):
+    with httpx.stream("POST", gateway.url + "/v1/completions", timeout=120,
+                      json={"prompt": "The sea is", "max_tokens": 2000, "temperature": 0, "stream": True,
+                            "ignore_eos": True}) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 4:
+                break  # hang up after a few events
+        assert running(vllm_decode) == 1
+    deadline = time.monotonic() + 20
+    while running(vllm_decode) > 0:
+        assert time.monotonic() < deadline, "the decode kept generating for a client that had gone"
+        time.sleep(0.2)
+    assert gateway.wait_pool_empty() == 0
+    assert metric(gateway.url, "prefill_server:requests_total", '{outcome="cancelled"}') >= 1
+    assert httpx.post(gateway.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
+                      timeout=120).status_code == 200
+
+
+def test_limits_are_the_decodes(vllm_decode, gateway):
+    """The model has 8192 positions; the decode runs --max-model-len 4096: that is the limit."""
+    m = httpx.get(gateway.url + "/v1/models").json()["data"][0]
+    assert m["max_model_len"] == vllm_decode.max_model_len == 4096
+    t0 = time.monotonic()
+    r = httpx.post(gateway.url + "/v1/completions", json={"prompt": [100] * 5001, "max_tokens": 4}, timeout=60)
+    assert r.status_code == 400 and "--max-model-len" in r.json()["error"]["message"]
+    r = httpx.post(gateway.url + "/v1/completions", json={"prompt": [100] * 4000, "max_tokens": 200}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert time.monotonic() - t0 < 5, "refused only after computing"
+    assert gateway.wait_pool_empty() == 0
+
+
+def test_prefill_started_before_its_decode_then_the_decode_dies(decode_model_dir, tmp_path):
+    """The prefill waits for a decode still starting; a decode killed mid-answer gives the client an
+    error (the SDK raises), readiness and gRPC health follow it, requests fail fast; SIGTERM exits 0."""
+    port = free_port()
+    log = tmp_path / "serve.log"
+    server = subprocess.Popen([EXE, "serve", "--model", str(decode_model_dir), "--port", "0", "--grpc-port", "0",
+                               "--decode-url", f"http://127.0.0.1:{port}", "--decode-wait", "900",
+                               "--decode-health-interval", "1", "--kv-cache-gib", "0.1"],
+                              stdout=subprocess.PIPE, stderr=open(log, "wb"), text=True)
+    decode = VllmDecode(model=str(decode_model_dir), log_path=tmp_path / "vllm-decode.log", port=port)
+    try:
+        time.sleep(5)
+        assert server.poll() is None and "decode not ready" in log.read_text()
+        with decode:
+            server.stdout.readline()  # the gRPC line
+            url = re.search(r"listening on (http://\S+)", server.stdout.readline()).group(1)
+            client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+            assert client.completions.create(model=decode.served_model_name(), prompt="The sea is",
+                                             max_tokens=4, temperature=0).choices[0].text
+            got = []
+            with pytest.raises(openai.APIError):
+                for i, chunk in enumerate(client.completions.create(
+                        model=decode.served_model_name(), prompt="The sea is", max_tokens=2000, temperature=0,
+                        stream=True, extra_body={"ignore_eos": True})):
+                    got.append(chunk.choices[0].text)
+                    if i == 3:
+                        os.killpg(os.getpgid(decode.proc.pid), signal.SIGKILL)
+            assert 4 <= len(got) < 2000
+        deadline = time.monotonic() + 15
+        while httpx.get(url + "/health", timeout=10).status_code != 503:
+            assert time.monotonic() < deadline, "readiness still ok with the decode dead"
+            time.sleep(0.2)
+        t0 = time.monotonic()
+        r = httpx.post(url + "/v1/completions", json={"prompt": "The sea is", "max_tokens": 4}, timeout=60)
+        assert r.status_code == 503 and time.monotonic() - t0 < 1.0, r.text
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == 0
+        text = log.read_text()
+        assert "SIGTERM received" in text and "stopped:" in text and "Traceback" not in text
+    finally:
+        if server.poll() is None:
+            server.kill()

@@ -1,0 +1,223 @@
+"""What a stranger's traffic does to the gateway, over real sockets: a client that hangs up cancels
+its work and is never forwarded, a decode that dies mid-stream gives the client an error event,
+oversized bodies get 413, a huge prompt never stalls the server, limits come from the decode, a
+queue too long to start in time sheds at once with 429 and Retry-After.
+
+The engine runs the tiny model of grpc_harness (slowed per forward where a test needs time); the
+decode is tests/serving/fake_decode.py."""
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from fake_decode import FakeDecode
+from grpc_harness import make_service
+from prefill_server.engine.types import PrefillRequest
+from prefill_server.errors import Overloaded, PoolExhausted
+from prefill_server.serving.background import BackgroundServer
+from prefill_server.serving.decode_client import DecodeClient
+from prefill_server.serving.http import create_app
+
+SLOW_PROMPT = "x" * 200  # 4 chunks of 64 tokens: 4 forwards
+
+
+def counter(service, family: str, outcome: str) -> float:
+    m = getattr(service.engine.metrics, family)
+    return m.labels(outcome)._value.get()
+
+
+def wait_for(cond, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.fixture()
+def stack():
+    """(service, fake decode, gateway url): the engine, a decode and the HTTP gateway, running."""
+    svc = make_service(num_blocks=64, max_queue_wait_s=30.0)
+    svc.engine.start()
+    with FakeDecode() as decode, BackgroundServer(create_app(svc, DecodeClient(decode.url))) as gw:
+        yield svc, decode, gw.url
+    svc.engine.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_gone_during_prefill_cancels_it_and_never_reaches_the_decode(stack, stream):
+    svc, decode, url = stack
+    svc.engine.runner.model.delay_s = 0.4
+    before = counter(svc, "requests", "cancelled"), counter(svc, "prefills", "RequestCancelled")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json={"prompt": SLOW_PROMPT, "max_tokens": 4, "stream": stream},
+                   timeout=0.6)  # hangs up mid-prefill (4 forwards of 0.4 s)
+    assert wait_for(lambda: counter(svc, "prefills", "RequestCancelled") == before[1] + 1, 5.0), \
+        "the prefill ran on after its client had gone"
+    assert wait_for(lambda: svc.engine.pool.num_used == 0)
+    assert counter(svc, "requests", "cancelled") == before[0] + 1
+    assert counter(svc, "requests", "ok") == 0
+    time.sleep(0.5)
+    assert decode.requests == [], "a cancelled request was forwarded to the decode"
+
+
+def test_client_gone_while_the_decode_answers_closes_the_decode_request(stack):
+    svc, decode, url = stack
+    decode.delay_s = 3.0
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=1.0)
+    assert wait_for(lambda: decode.cancelled == 1, 5.0), "the decode kept working for a client that had gone"
+    assert wait_for(lambda: svc.engine.pool.num_used == 0)
+    assert counter(svc, "requests", "cancelled") == 1
+
+
+def test_decode_dying_mid_stream_gives_the_client_an_error(stack):
+    """The official SDK ends a cut stream normally unless an error event says otherwise."""
+    svc, decode, url = stack
+    decode.tokens, decode.break_after = 5, 2
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    got = []
+    with pytest.raises(openai.APIError, match="stream broke"):
+        for chunk in client.completions.create(model="tiny", prompt="hello", max_tokens=5, stream=True):
+            got.append(chunk.choices[0].text)
+    assert got == [" ok", " ok"]
+    assert counter(svc, "requests", "DecodeStreamBroken") == 1 and counter(svc, "requests", "ok") == 0
+    decode.break_after = None  # the decode is back: whole streams again
+    assert wait_for(lambda: httpx.get(url + "/health").status_code == 200)
+    text = "".join(c.choices[0].text for c in client.completions.create(model="tiny", prompt="hi", max_tokens=5,
+                                                                          stream=True))
+    assert text == " ok" * 5 and counter(svc, "requests", "ok") == 1
+
+
+def test_body_limit_and_huge_prompts_never_stall_the_server():
+    svc = make_service(num_blocks=64)
+    svc.engine.start()
+    app = create_app(svc, None, max_body_bytes=64 * 1024)
+    try:
+        with BackgroundServer(app) as gw:
+            r = httpx.post(gw.url + "/v1/completions", json={"prompt": "y" * 100_000})
+            assert r.status_code == 413 and "--max-body-bytes" in r.json()["error"]["message"]
+
+            def chunks():  # no Content-Length: the limit applies while reading
+                for _ in range(100):
+                    yield b"y" * 1000
+            r = httpx.post(gw.url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+            assert r.status_code == 413
+            # under the limit but longer than any prompt of 256 tokens can be: refused before tokenizing
+            r = httpx.post(gw.url + "/v1/completions", json={"prompt": "y" * 60_000})
+            assert r.status_code == 400 and "characters" in r.json()["error"]["message"]
+            r = httpx.post(gw.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 2})
+            assert r.status_code == 200
+    finally:
+        svc.engine.stop()
+
+
+def test_tokenizing_a_long_prompt_leaves_health_answering(local_service):
+    """SmolLM2's tokenizer on ~2 MB of text takes seconds: off the event loop, /health answers."""
+    with BackgroundServer(create_app(local_service, None)) as gw:
+        text = "word " * 400_000
+        result = {}
+        t = threading.Thread(target=lambda: result.update(r=httpx.post(gw.url + "/v1/completions",
+                                                                        json={"prompt": text}, timeout=120)))
+        t.start()
+        time.sleep(0.3)
+        worst = 0.0
+        while t.is_alive():
+            t0 = time.monotonic()
+            assert httpx.get(gw.url + "/health", timeout=30).status_code == 200
+            worst = max(worst, time.monotonic() - t0)
+            time.sleep(0.05)
+        t.join()
+        assert result["r"].status_code == 400 and "context" in result["r"].json()["error"]["message"]
+        assert worst < 0.5, f"/health took {worst:.2f} s while a prompt was tokenized"
+
+
+def test_prompt_and_answer_must_fit_the_context(stack):
+    svc, decode, url = stack  # the tiny model's context: 256 tokens
+    r = httpx.post(url + "/v1/completions", json={"prompt": [1] * 256})
+    assert r.status_code == 400 and "no room" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/completions", json={"prompt": [1] * 200, "max_tokens": 100})
+    msg = r.json()["error"]["message"]
+    assert r.status_code == 400 and "at most 56 tokens" in msg and r.json()["error"]["param"] == "max_tokens"
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "a" * 200}],
+                                                       "max_completion_tokens": 100})
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+    assert decode.requests == [] and svc.engine.pool.num_used == 0
+
+
+def test_a_queue_too_long_to_start_in_time_sheds_at_once_with_retry_after():
+    svc = make_service(num_blocks=64, max_queue_wait_s=1.0)
+    eng = svc.engine
+    eng.runner.model.delay_s = 0.3
+    eng.start()
+    try:
+        eng.throughput.record(64, 2.0)  # measured: 32 tokens/s
+        first = eng.submit(PrefillRequest("a", (1,) * 40))  # 40 tokens ahead: 1.25 s > 1 s
+        with pytest.raises(Overloaded) as e:
+            eng.submit(PrefillRequest("b", (1,) * 10))
+        assert e.value.retry_after_s >= 1 and "tokens/s" in e.value.message
+        assert e.value.http_status == 429
+        first.result(timeout=30)
+        eng.abort("a")
+        app = create_app(svc, None)
+        with BackgroundServer(app) as gw:
+            eng.throughput.record(1, 1000.0)  # now ~0.06 tokens/s: anything queued sheds
+            eng.submit(PrefillRequest("c", (1,) * 64))
+            r = httpx.post(gw.url + "/v1/completions", json={"prompt": "x"})
+            assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+            eng.abort("c")
+    finally:
+        eng.stop()
+
+
+def test_queue_deadline_names_compute_or_kv_blocks():
+    svc = make_service(num_blocks=8, block_size=8, token_budget=8, max_queue_wait_s=0.3)
+    eng = svc.engine
+    eng.runner.model.delay_s = 0.2
+    eng.start()
+    try:  # compute: a long prompt runs 8 steps of 0.2 s; the next waits past 0.3 s with the pool free
+        eng.submit(PrefillRequest("long", (1,) * 32))
+        with pytest.raises(Overloaded, match="for compute") as e:
+            eng.submit(PrefillRequest("next", (1,) * 60)).result(timeout=30)
+        assert e.value.http_status == 429
+        wait_for(lambda: eng.pool.num_used == 4)  # "long" is leased now (4 blocks)
+        eng.runner.model.delay_s = 0.0
+        with pytest.raises(PoolExhausted, match="for KV blocks") as e:  # needs 8 blocks, 4 free
+            eng.submit(PrefillRequest("starved", (1,) * 60)).result(timeout=30)
+        assert e.value.http_status == 503 and "leases" in e.value.message
+        eng.abort("long")
+    finally:
+        eng.stop()
+
+
+def test_health_follows_a_decode_that_dies_and_comes_back(stack):
+    svc, decode, url = stack
+    decode.healthy = False
+    r = httpx.post(url + "/v1/completions", json={"prompt": "hi"})
+    assert r.status_code == 200  # (not known yet: checked every 5 s)
+    app = BackgroundServer(create_app(svc, DecodeClient(decode.url), decode_health_interval_s=0.2)).start()
+    try:
+        assert wait_for(lambda: httpx.get(app.url + "/health").status_code == 503, 5.0)
+        r = httpx.post(app.url + "/v1/completions", json={"prompt": "hi"})
+        assert r.status_code == 503 and "is down" in r.json()["error"]["message"]
+        decode.healthy = True
+        assert wait_for(lambda: httpx.get(app.url + "/health").status_code == 200, 5.0)
+        assert httpx.post(app.url + "/v1/completions", json={"prompt": "hi"}).status_code == 200
+    finally:
+        app.stop()
+
+
+def test_disconnect_watch_leaves_keep_alive_connections_working(stack):
+    """The guard's watch on a connection ends with each response: the next request on the same
+    connection is served, not cancelled."""
+    svc, decode, url = stack
+    with httpx.Client(base_url=url) as c:
+        for _ in range(3):
+            assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    assert counter(svc, "requests", "ok") == 3 and counter(svc, "requests", "cancelled") == 0
+
