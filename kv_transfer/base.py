@@ -3,9 +3,9 @@
 A *producer* owns the path of one request's KV from the moment the engine has written it into the
 KV pool until the pool gets those blocks back. Engines call it; it never calls the engine.
 
-Lifecycle of one request's KV (``TransferState``)
--------------------------------------------------
-Pull mode (stock vLLM ``NixlConnector`` compatibility, ``kv_transfer.vllm.v0_32``)::
+Lifecycle of one request's KV (``TransferState``), by ``Route`` (below)
+----------------------------------------------------------------------
+Route LEASE (stock vLLM ``NixlConnector`` compatibility, ``kv_transfer.vllm.nixl_compat``)::
 
     engine: pool.allocate() -> forward writes K/V -> producer.publish(rid, blocks, n_tokens)
                                                               |
@@ -22,9 +22,9 @@ Pull mode (stock vLLM ``NixlConnector`` compatibility, ``kv_transfer.vllm.v0_32`
     ``pool.expire``; the engine never frees a published request. ``stop()`` releases every lease
     still held.
 
-Streaming push mode (our own vLLM connector ``kv_transfer.vllm.connector``; ``kv_transfer.push``)::
+Route STREAM (our own vLLM connector ``kv_transfer.vllm.connector``; ``kv_transfer.push``)::
 
-    gateway sends the request to decode and prefill at once (engine.submit_push -> producer.expect)
+    gateway sends the request to decode and prefill at once (engine.start_stream -> producer.expect)
         EXPECTING --(decode's connector sends a signed Register: its blocks, NIXL metadata)--> READY
         READY --(engine, layer l: K/V into staging slot l % 2, layer_done(rid, l, pages))--> SENDING
               (one NIXL WRITE per layer, notification "psv1 done rid l"; wait_layer(rid, l - 2)
@@ -38,7 +38,8 @@ Streaming push mode (our own vLLM connector ``kv_transfer.vllm.connector``; ``kv
     flight, so a prompt never needs its whole KV resident at once. The decode owns its own blocks
     throughout; after a Cancel it keeps them until the prefill acknowledged.
 
-Pull fallback in connector mode (the decode's Register asks for it; ``kv_transfer.pull``)::
+Route STREAM_THEN_PULL, the pull fallback in connector mode (the decode's Register asks for it;
+``kv_transfer.pull``), and LEASE_FOR_LATER (``producer.hold``: leased before the Register)::
 
     EXPECTING --(Register{transfer_mode: pull})--> READY: the engine runs the prompt like a pull-mode
         one (whole prompt in pool blocks, chunked), then producer.publish(rid, blocks, n)
@@ -49,21 +50,67 @@ Pull fallback in connector mode (the decode's Register asks for it; ``kv_transfe
     blocks until that READ's notification or the deadline (the decode may be reading them).
 
 Everything version-specific (wire formats, hashes, notification syntax) lives in one module per
-pinned peer version (``kv_transfer/vllm/v0_32.py``, later ``kv_transfer/sglang/v0_5_23.py``).
+pinned peer version (``kv_transfer/vllm/v0_32.py``, later ``kv_transfer/sglang/v0_5_23.py``); the
+producers that speak them are apart (``kv_transfer/vllm/nixl_compat.py``).
 """
 from __future__ import annotations
 
+import re
 import threading
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from enum import Enum
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
+
+from prefill_server.errors import InvalidRequest
 
 
 class TransferMode(str, Enum):
-    PULL = "pull"  # the decode READs leased blocks (stock vLLM NixlConnector)
+    """Who moves the bytes of one transfer (the decode-side wire's word: a connector's
+    ``transfer_mode`` and the Register message carry it)."""
+
+    PULL = "pull"  # the decode READs leased blocks (stock vLLM NixlConnector; our connector's fallback)
     PUSH = "push"  # the prefill WRITEs into the decode's blocks, layer by layer
+
+
+class Route(str, Enum):
+    """How one request's KV leaves the engine. The request carries it from the gateway; the engine
+    runs and finishes each route its own way (``Engine._finish``)::
+
+        LEASE             computed whole into pool blocks, leased; the decode READs them
+                          (nixl-compat, local). ``producer.publish``
+        STREAM            each layer WRITTEN into the decode's blocks as soon as it is computed,
+                          through two layers of staging (connector mode). ``producer.finish``
+        STREAM_THEN_PULL  a STREAM request whose decode registered asking for the pull fallback:
+                          from then on computed whole and leased to it. ``producer.publish``
+        LEASE_FOR_LATER   computed first (the gateway wants the first token before it calls the
+                          decode) and leased for a decode that registers later and pulls
+                          (connector mode, ``--first-token prefill``). ``producer.hold``
+    """
+
+    LEASE = "lease"
+    STREAM = "stream"
+    STREAM_THEN_PULL = "stream-then-pull"
+    LEASE_FOR_LATER = "lease-for-later"
+
+    @property
+    def registers(self) -> bool:
+        """A decode registers for this request's KV with our side channel (connector mode)."""
+        return self in (Route.STREAM, Route.STREAM_THEN_PULL)
+
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,200}")
+
+
+def check_request_id(request_id: str, field: str = "request_id") -> None:
+    """The one rule for request ids, which travel in every transfer's messages and notifications:
+    1-200 characters of A-Z a-z 0-9 . _ : - (what routers send, e.g. vllm-router's
+    ``___prefill_addr_H:P___decode_addr_H:P_<uuid>``), not starting with ``HB:`` (vLLM's heartbeat
+    notification) and without the ',' and ' ' that vLLM's and our notifications split on."""
+    if not isinstance(request_id, str) or not _REQUEST_ID.fullmatch(request_id) or request_id.startswith("HB:"):
+        shown = request_id[:40] if isinstance(request_id, str) else type(request_id).__name__
+        raise InvalidRequest(f"request id {shown!r} is not usable: send 1-200 characters of A-Z a-z 0-9 . _ : - "
+                             "(not starting with 'HB:')", field=field)
 
 
 class TransferState(Enum):
@@ -130,59 +177,69 @@ class StatsCounter:
             return ProducerStats(**asdict(self._s))
 
 
-class KVProducer(ABC):
-    """What the engine calls once a request's KV is in the pool (pull mode).
+class KVPages(Protocol):
+    """What producers use of the prefill's KV pool (``prefill_server.engine.kv_pool.KVPool``): its one
+    registered tensor and geometry, and leases (blocks held for a decode until it has read them)."""
+
+    kv: Any  # the registered tensor [L, num_blocks, H, block_size, 2 * head_dim]
+    num_layers: int
+    num_blocks: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: Any  # torch.dtype
+    block_bytes: int  # one layer's page of one block
+
+    def blocks_needed(self, num_tokens: int) -> int: ...
+    def layer_base_addr(self, layer: int) -> int: ...
+    def lease(self, request_id: str, block_ids: Sequence[int], ttl_s: float, num_tokens: int) -> Any: ...
+    def get_lease(self, request_id: str) -> Any: ...
+    def extend(self, request_id: str, ttl_s: float) -> bool: ...
+    def release(self, request_id: str) -> bool: ...
+    def expire(self, now: float | None = None) -> list[str]: ...
+
+
+class LeaseProducer(Protocol):
+    """Route LEASE (``kv_transfer.vllm.nixl_compat.NixlCompatProducer``, the engine's ``LocalProducer``):
+    the engine hands over a computed request's blocks, a decode READs them.
 
     Thread-safety: every method may be called from the engine thread while the producer's own
     background thread serves handshakes and notifications.
     """
 
-    mode: TransferMode = TransferMode.PULL
+    routes: frozenset[Route]  # the routes it serves: {LEASE}
 
-    @abstractmethod
     def start(self) -> None:
         """Register the pool with the transport and start serving (side channel, notifications,
         lease expiry). Idempotent."""
 
-    @abstractmethod
     def stop(self) -> None:
         """Stop serving, release every lease still held, deregister memory. Idempotent."""
 
-    @abstractmethod
     def publish(self, request_id: str, block_ids: Sequence[int], num_tokens: int) -> dict[str, Any]:
-        """Hand the blocks holding ``num_tokens`` tokens of KV over to the producer (under a lease)
-        and return the ``kv_transfer_params`` dict the decode request must carry.
+        """Hand the blocks holding ``num_tokens`` tokens of KV (and any room the engine left past
+        them) over to the producer, under a lease, and return the ``kv_transfer_params`` the
+        decode request must carry. ``block_ids[t // block_size]`` holds token t. Raises
+        ``ValueError`` (``InvalidRequest``) on bad input, in which case nothing was leased and the
+        caller still owns the blocks."""
 
-        ``block_ids[t // block_size]`` holds token t. Raises ``ValueError`` (``InvalidRequest``)
-        on bad input, in which case nothing was leased and the caller still owns the blocks."""
+    def abort(self, request_id: str, reason: str = "", on_idle: Callable[[], None] | None = None) -> bool:
+        """End the request's lease now and free its blocks; ``on_idle`` runs once nothing of the
+        request is in flight (at once here). False if it holds none (already released, expired
+        or never published)."""
 
-    @abstractmethod
-    def abort(self, request_id: str) -> bool:
-        """End the request's lease now and free its blocks. False if it holds none (already
-        released, expired or never published)."""
-
-    @abstractmethod
     def state(self, request_id: str) -> TransferState | None:
         """Current state, or the terminal state of a recently finished request (kept for a short
         while), or None if unknown."""
 
-    @abstractmethod
     def stats(self) -> ProducerStats:
         """A snapshot of the counters."""
 
-    # context-manager sugar for tests and the CLI
-    def __enter__(self) -> KVProducer:
-        self.start()
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-@runtime_checkable
-class StreamingKVProducer(Protocol):
-    """Push mode (``kv_transfer.push.PushProducer``): the decode allocates and registers destination
-    blocks, the prefill WRITEs each layer as soon as it is computed. The engine drives it so::
+class StreamProducer(Protocol):
+    """Routes STREAM, STREAM_THEN_PULL and LEASE_FOR_LATER (``kv_transfer.push.PushProducer``): the
+    decode allocates and registers destination blocks, the prefill WRITEs each layer as soon as it
+    is computed. The engine drives it so::
 
         params = producer.expect(rid, n_tokens)          # at submit; params go to the decode
         ... the scheduler waits for producer.is_ready(rid) (or fails it when producer.overdue(rid))
@@ -190,21 +247,29 @@ class StreamingKVProducer(Protocol):
                                producer.layer_done(rid, layer, staging_pages, cuda_event)
         producer.finish(rid)                              # all WRITEs done; then free staging
     wait_layer/finish raise at once on an abort, a Cancel, a failure or ``stop()``: the engine then
-    calls ``abort(rid, reason, on_idle=free_staging)`` (WRITEs may still be in flight).
+    calls ``abort(rid, reason, on_idle=free_staging)`` (WRITEs may still be in flight). A decode
+    that asked for pull (``wants_pull``) gets the whole prompt's blocks through ``publish``; a
+    request computed first is leased with ``hold``.
     """
 
-    mode: TransferMode
+    routes: frozenset[Route]  # {STREAM, LEASE_FOR_LATER} (STREAM_THEN_PULL follows from STREAM)
 
     def start(self) -> None: ...
     def stop(self) -> None: ...
     def expect(self, request_id: str, num_tokens: int) -> dict[str, Any]: ...
     def is_ready(self, request_id: str) -> bool: ...
+    def wants_pull(self, request_id: str) -> bool: ...
     def overdue(self, request_id: str, now: float | None = None) -> str | None: ...
     def layer_done(self, request_id: str, layer: int, src_pages: Sequence[int], ready_event: Any = None) -> None: ...
     def wait_layer(self, request_id: str, layer: int, stop: Callable[[], bool] | None = None) -> None: ...
     def finish(self, request_id: str, timeout_s: float | None = None,
                stop: Callable[[], bool] | None = None) -> dict[str, Any]: ...
-    def abort(self, request_id: str, reason: str = ...,
+    def publish(self, request_id: str, block_ids: Sequence[int], num_tokens: int) -> None: ...
+    def hold(self, request_id: str, block_ids: Sequence[int], num_tokens: int) -> dict[str, Any]: ...
+    def abort(self, request_id: str, reason: str = "",
               on_idle: Callable[[], None] | None = None) -> bool: ...
     def state(self, request_id: str) -> TransferState | None: ...
     def stats(self) -> ProducerStats: ...
+
+
+Producer = LeaseProducer | StreamProducer

@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from prefill_server.errors import TransferError
 
 log = logging.getLogger(__name__)
 
@@ -31,13 +30,19 @@ _POLL_MIN_S = 0.0002
 _POLL_MAX_S = 0.01
 
 
+class NixlError(RuntimeError):
+    """NIXL is missing, a backend is unavailable, or a transfer failed or timed out. (This module is
+    shared by both sides, the decode's connector included, so it raises its own error: the prefill
+    side reports it as a transfer failure.)"""
+
+
 def import_nixl() -> Any:
-    """The ``nixl._api`` module, or a ``TransferError`` saying what to install."""
+    """The ``nixl._api`` module, or a ``NixlError`` saying what to install."""
     try:
         from nixl._api import nixl_agent, nixl_agent_config  # noqa: F401
         import nixl._api as api
     except ImportError as e:  # pragma: no cover - depends on the machine
-        raise TransferError(f"NIXL is not importable ({e}); install nixl-cu12==1.5.1 and nixl==1.5.1") from e
+        raise NixlError(f"NIXL is not importable ({e}); install nixl-cu12==1.5.1 and nixl==1.5.1") from e
     _nixl_logs_to_stderr()
     return api
 
@@ -57,30 +62,6 @@ def mem_type_of(tensor: torch.Tensor) -> str:
 
 def device_id_of(tensor: torch.Tensor) -> int:
     return 0 if tensor.device.type == "cpu" else int(tensor.device.index or 0)
-
-
-def coalesce_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
-    """[(first_block, count), ...] for the maximal runs of consecutive ids, in order."""
-    runs: list[tuple[int, int]] = []
-    for b in block_ids:
-        if runs and runs[-1][0] + runs[-1][1] == b:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((int(b), 1))
-    return runs
-
-
-def block_descs(base_addrs: Sequence[int], block_bytes: int, block_stride: int,
-                block_ids: Sequence[int], device_id: int = 0) -> np.ndarray:
-    """Nx3 uint64 descriptors (addr, len, dev) for block_ids in every region of base_addrs, one
-    descriptor per run of contiguous blocks when block_stride == block_bytes."""
-    if block_stride == block_bytes:
-        runs = coalesce_runs(block_ids)
-    else:
-        runs = [(int(b), 1) for b in block_ids]
-    rows = [(base + first * block_stride, count * block_bytes, device_id)
-            for base in base_addrs for first, count in runs]
-    return np.asarray(rows, dtype=np.uint64).reshape(-1, 3)
 
 
 def memory_ranges(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
@@ -111,7 +92,7 @@ class NixlAgent:
         self._agent = api.nixl_agent(name, cfg)
         missing = [b for b in self.backends if b not in self._agent.backends]
         if missing:
-            raise TransferError(f"NIXL backend(s) {missing} unavailable; plugins found: "
+            raise NixlError(f"NIXL backend(s) {missing} unavailable; plugins found: "
                                 f"{self._agent.get_plugin_list()}")
         self._reg_descs: Any = None
         self._registered: torch.Tensor | None = None
@@ -168,26 +149,12 @@ class NixlAgent:
     def send_notif(self, remote: str, msg: bytes) -> None:
         self._agent.send_notif(remote, msg)
 
-    def wait_notif(self, predicate, timeout_s: float) -> tuple[str, bytes]:
-        """Block (sleeping between polls) until a notification satisfies predicate(agent, msg);
-        other notifications received meanwhile are dropped. Test and tooling helper."""
-        deadline = time.monotonic() + timeout_s
-        delay = _POLL_MIN_S
-        while True:
-            for agent, msg in self.get_notifs():
-                if predicate(agent, msg):
-                    return agent, msg
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"no matching NIXL notification within {timeout_s} s")
-            time.sleep(delay)
-            delay = min(delay * 2, _POLL_MAX_S)
-
     # ---- transfers (initiator side: our push mode, and tests that play the decode) ----
     def transfer(self, op: str, local_descs: np.ndarray, remote_descs: np.ndarray, remote: str,
                  mem_type: str = "DRAM", remote_mem_type: str | None = None, notif: bytes = b"",
                  timeout_s: float = 30.0) -> int:
         """Run one READ or WRITE between equal-length Nx3 descriptor arrays and wait for it.
-        Returns the bytes moved. Raises ``TransferError`` on error or timeout (the handle is
+        Returns the bytes moved. Raises ``NixlError`` on error or timeout (the handle is
         released either way)."""
         if op not in ("READ", "WRITE"):
             raise ValueError(f"op must be READ or WRITE, not {op!r}")
@@ -200,12 +167,12 @@ class NixlAgent:
             delay = _POLL_MIN_S
             while state == "PROC":
                 if time.monotonic() >= deadline:
-                    raise TransferError(f"NIXL {op} to {remote} timed out after {timeout_s} s")
+                    raise NixlError(f"NIXL {op} to {remote} timed out after {timeout_s} s")
                 time.sleep(delay)
                 delay = min(delay * 2, _POLL_MAX_S)
                 state = self._agent.check_xfer_state(handle)
             if state != "DONE":
-                raise TransferError(f"NIXL {op} to {remote} failed: {state}")
+                raise NixlError(f"NIXL {op} to {remote} failed: {state}")
         finally:
             try:
                 self._agent.release_xfer_handle(handle)
@@ -226,7 +193,7 @@ class NixlAgent:
         state = self._agent.transfer(handle)
         if state not in ("PROC", "DONE"):
             self.release(handle)
-            raise TransferError(f"NIXL {op} to {remote} could not start: {state}")
+            raise NixlError(f"NIXL {op} to {remote} could not start: {state}")
         return handle
 
     def poll(self, handle: Any) -> str:

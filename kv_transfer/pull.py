@@ -1,9 +1,9 @@
 """Pull fallback of connector mode: the decode asked for it (``Register.transfer_mode == "pull"``,
 e.g. our connector's ``kv_connector_extra_config.transfer_mode``), so the prefill computes the
 prompt into its own pool as in nixl-compat mode, holds the blocks under a lease and lets the decode
-READ them. Both ends of the wire live here: ``PullLeases`` (prefill side, owned by
-``kv_transfer.push.PushProducer``, which shares its side channel and NIXL agent) and
-``read_descs``/``check_offer`` (decode side, used by ``kv_transfer.receiver.PushReceiver``).
+READ them. This is the prefill side: ``PullLeases``, owned by ``kv_transfer.push.PushProducer``
+(which shares its side channel and NIXL agent). The decode's side of the READ is
+``kv_transfer.offer`` (used by ``kv_transfer.receiver.PushReceiver``).
 
 Per request (prefill ``TransferState``)::
 
@@ -12,7 +12,7 @@ Per request (prefill ``TransferState``)::
     decode --Fetch--> side channel: lease extended to lease_ttl_s, signed Offer back
     decode ==READ with notification "psv1 read rid <token>"==> RELEASED (lease ends, blocks freed)
     lease deadline passes: EXPIRED (blocks freed), the decode gets "psv1 fail rid ..."
-    computed first (``Engine`` request with ``pull_later``): hold(rid, blocks) -> LEASED with no
+    computed first (route LEASE_FOR_LATER): hold(rid, blocks) -> LEASED with no
     decode yet; a later Register{pull, same num_tokens} attaches its decode (``attach``): the
     "ready" notification goes then and the rest is as above; nobody registers: EXPIRED
     Cancel from the decode: ABORTED, freed at once (the decode sends it only with no READ in flight)
@@ -27,16 +27,12 @@ from __future__ import annotations
 
 import logging
 import secrets
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
-
 from kv_transfer import layout, wire
-from kv_transfer.base import StatsCounter, TransferState
+from kv_transfer.base import KVPages, StatsCounter, TransferState
 from kv_transfer.nixl import device_id_of, mem_type_of
-from prefill_server.engine.kv_pool import KVPool
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +49,7 @@ class _Lease:
 
 
 class PullLeases:
-    def __init__(self, pool: KVPool, lease_ttl_s: float, stats: StatsCounter,
+    def __init__(self, pool: KVPages, lease_ttl_s: float, stats: StatsCounter,
                  on_end: Callable[[str, TransferState], None]):
         """``on_end(request_id, terminal state)``: called once a lease has ended and its blocks are
         free (the producer remembers the state)."""
@@ -208,48 +204,3 @@ def _tell(notify: Notify, lz: _Lease, reason: str) -> None:
         notify(lz.remote, wire.fail_notif(lz.request_id, reason))
     except Exception:  # noqa: BLE001 - the decode's timeout covers it
         log.warning("could not tell decode %s that %s failed", lz.remote, lz.request_id)
-
-
-# ---------------------------------------------------------------- decode side
-def check_offer(offer: wire.Offer, fetch_nonce: bytes, geometry: wire.Geometry, num_tokens: int,
-                secret: bytes) -> str | None:
-    """Why the decode must not READ what ``offer`` points at, or None."""
-    if offer.nonce != fetch_nonce or not wire.verify(secret, offer):
-        return "the prefill server's Offer failed authentication (wrong secret?)"
-    if offer.version != wire.PROTOCOL_VERSION:
-        return f"the prefill server speaks protocol version {offer.version}, this decode {wire.PROTOCOL_VERSION}"
-    if offer.num_tokens != num_tokens:
-        return f"the prefill server has {offer.num_tokens} prompt tokens, the decode {num_tokens}"
-    if len(offer.layer_addrs) != geometry.num_layers:
-        return f"the prefill server offers {len(offer.layer_addrs)} layers, the decode has {geometry.num_layers}"
-    if len(offer.block_ids) * geometry.block_size < num_tokens:
-        return f"the prefill server offers {len(offer.block_ids)} blocks for {num_tokens} tokens"
-    try:
-        src = offer_addressing(offer, geometry)
-    except ValueError as e:
-        return f"the prefill server's pages: {e}"
-    if src.interior != "HNC" or offer.mem_type not in ("DRAM", "VRAM"):
-        return f"the prefill server's page layout {offer.page_layout} ({offer.mem_type}) cannot be read here"
-    return None
-
-
-def offer_addressing(offer: wire.Offer, g: wire.Geometry) -> layout.Addressing:
-    return layout.of_wire(offer.page_layout, offer.layer_addrs, offer.block_stride, offer.head_stride,
-                          offer.token_stride, g)
-
-
-def read_descs(offer: wire.Offer, g: wire.Geometry, local: layout.Addressing, block_ids: list[int],
-               first_token: int, num_tokens: int, local_dev: int) -> tuple[np.ndarray, np.ndarray]:
-    """(local, remote) Nx3 descriptors of one READ that brings tokens [first_token, num_tokens) of
-    every layer from the prefill's blocks into the decode's ``block_ids`` (``check_offer`` first)."""
-    first, last = first_token // g.block_size, -(-num_tokens // g.block_size)
-    src = offer_addressing(offer, g)
-    chunks = layout.page_chunks(local)
-    loc, rem = [], []
-    for layer in range(g.num_layers):
-        s = src.layer_addrs[layer] + np.asarray(offer.block_ids[first:last], dtype=np.int64) * src.block_stride
-        d = local.layer_addrs[layer] + np.asarray(block_ids[first:last], dtype=np.int64) * local.block_stride
-        r, l_ = layout.descs(s, d, chunks, offer.device_id, local_dev)
-        rem.append(r)
-        loc.append(l_)
-    return np.concatenate(loc), np.concatenate(rem)

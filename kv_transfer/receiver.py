@@ -47,7 +47,7 @@ import numpy as np  # noqa: F401  (nixl needs it importable)
 import torch
 import zmq
 
-from kv_transfer import layout, pull, wire
+from kv_transfer import layout, offer as offers, wire
 from kv_transfer.nixl import NixlAgent, device_id_of, mem_type_of
 
 log = logging.getLogger(__name__)
@@ -353,11 +353,11 @@ class PushReceiver:
             r = self._recv.get(offer.request_id)
             if r is None or r.reading:
                 return  # cancelled or failed meanwhile (a Cancel frees the lease)
-            if why := pull.check_offer(offer, nonce, self.geometry, r.num_tokens, self.secret):
+            if why := offers.check_offer(offer, nonce, self.geometry, r.num_tokens, self.secret):
                 return self._give_up(r, why)
             r.reading, r.lease_end = True, t_sent + 0.9 * offer.lease_s
         try:
-            local, remote = pull.read_descs(offer, self.geometry, self.addressing, r.block_ids, r.first_token,
+            local, remote = offers.read_descs(offer, self.geometry, self.addressing, r.block_ids, r.first_token,
                                             r.num_tokens, device_id_of(self.caches[0]))
             with self._agent_lock:
                 if self._remotes.get(offer.agent_name) != offer.agent_metadata:

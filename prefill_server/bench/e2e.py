@@ -21,29 +21,30 @@ the linear-layer floor for all their tokens; target >= 80%).
     prefill-server bench e2e --lengths 8192,32768,131072 --out e2e.json
     prefill-server bench e2e --preset tiny --device cpu --lengths 64,128   # a smoke run anywhere
     prefill-server bench e2e stream ...   # sparse mode + KV streamed to a receiver: bench/stream.py
+
+Parts: ``common.py`` (model, engine, timing, options shared with ``stream.py``), ``floor.py`` (the
+floor), ``checks.py`` (correctness and attention diagnostics), ``sparse.py`` (the sparse adapter of
+``--throughput-densities``); this module runs them and writes the JSON.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as _dt
 import json
 import statistics
 import sys
 import time
-from concurrent.futures import Future
 
 import torch
-import torch.nn.functional as F
 
+from prefill_server.bench.checks import attention_diagnostics, check_engine, check_fused
+from prefill_server.bench.common import (_sync, _version, bench_args, drive, ints, make_engine, model_args,
+                                         model_config, random_model)
+from prefill_server.bench.floor import Floor, matmul_peak
 from prefill_server.engine.engine import Engine
 from prefill_server.engine.kv_pool import KVPool
-from prefill_server.engine.runner import ModelRunner
-from prefill_server.engine.scheduler import Chunk, Sequence
 from prefill_server.engine.types import PrefillRequest
-from prefill_server.models.config import Llama3RopeScaling, ModelConfig
-from prefill_server.models.llama import LlamaForCausalLM
-from prefill_server.models.reference_attention import CausalAttention
+from prefill_server.models.config import ModelConfig
 
 try:  # absent in older trees (the bench also runs against them for a before/after)
     from prefill_server.layers import fused
@@ -52,382 +53,6 @@ except ImportError:  # pragma: no cover
 
 TARGET_RATIO = 1.15
 TARGET_THROUGHPUT = 0.80
-
-
-# ---- model ----
-def model_config(preset: str) -> ModelConfig:
-    """Llama-3.1-8B's shape (config.json of meta-llama/Llama-3.1-8B), or a tiny one for smoke runs."""
-    common = dict(architecture="llama", rms_norm_eps=1e-5, rope_theta=500000.0,
-                  rope_scaling=Llama3RopeScaling(8.0, 1.0, 4.0, 8192), max_position_embeddings=131072,
-                  tie_word_embeddings=False, attention_bias=False, qk_norm=False, sliding_window=None,
-                  dtype=torch.bfloat16, bos_token_id=128000, eos_token_ids=(128001,))
-    if preset == "llama-3.1-8b":
-        return ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
-                           num_heads=32, num_kv_heads=8, head_dim=128, **common)
-    if preset == "tiny":
-        return ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-                           num_heads=4, num_kv_heads=2, head_dim=16, **common)
-    raise ValueError(f"unknown preset {preset!r}; use llama-3.1-8b or tiny")
-
-
-def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0) -> LlamaForCausalLM:
-    """The model built on the meta device, materialized once on ``device`` in ``dtype``, weights
-    ~ N(0, 0.02) and norm weights 1 (timing does not depend on the values; no checkpoint needed)."""
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    model = model.to(dtype).to_empty(device=device)
-    g = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(".bias"):
-                p.zero_()
-            else:
-                p.normal_(0.0, 0.02, generator=g)
-    return model.eval()
-
-
-class DropProducer:
-    """Frees a finished request's KV blocks at once: the bench measures prefill, not transfer."""
-
-    def __init__(self, pool: KVPool):
-        self.pool = pool
-
-    def start(self) -> None: ...
-
-    def stop(self) -> None: ...
-
-    def publish(self, request_id: str, block_ids: list[int], num_tokens: int) -> dict:
-        self.pool.free(block_ids)
-        return {}
-
-    def abort(self, request_id: str) -> bool:
-        return False
-
-
-def make_engine(model, cfg: ModelConfig, pool: KVPool, device, token_budget: int, max_num_seqs: int) -> Engine:
-    runner = ModelRunner(model, pool, cfg.head_dim, device)
-    return Engine(runner, pool, DropProducer(pool), max_model_len=cfg.max_position_embeddings * 8,
-                  vocab_size=cfg.vocab_size, token_budget=token_budget, max_num_seqs=max_num_seqs,
-                  max_queue_wait_s=3600.0)
-
-
-def drive(engine: Engine, reqs: list[PrefillRequest]) -> list:
-    """Submit all, run the engine's steps on this thread until done; returns the results."""
-    futs = [engine.submit(r) for r in reqs]
-    while engine.scheduler.has_work():
-        chunks, timed_out = engine.scheduler.schedule()
-        assert not timed_out and chunks, "the bench pool is too small for its requests"
-        engine.step(chunks)
-    return [f.result(timeout=0) for f in futs]
-
-
-# ---- timing ----
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_ms(fn, device: torch.device, reps: int, warmup: int = 1) -> tuple[float, list[float]]:
-    """Median wall time of ``reps`` calls (device synchronized around each), after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), times
-
-
-def _randn(shape, device, dtype, g):
-    return torch.randn(shape, device=device, dtype=torch.float32, generator=g).to(dtype)
-
-
-# ---- floor ----
-def layer_gemms(model: LlamaForCausalLM) -> list[tuple[str, torch.Tensor]]:
-    """(name, weight [out, in]) of one decoder layer's projections, in forward order."""
-    layer = model.model.layers[0]
-    return [("qkv_proj", layer.self_attn.qkv_proj.weight), ("o_proj", layer.self_attn.o_proj.weight),
-            ("gate_up_proj", layer.mlp.gate_up_proj.weight), ("down_proj", layer.mlp.down_proj.weight)]
-
-
-class Floor:
-    """Floor terms measured on this device, cached per row count / length."""
-
-    def __init__(self, model: LlamaForCausalLM, cfg: ModelConfig, device, dtype, reps: int, seed: int = 1):
-        self.model, self.cfg, self.device, self.dtype, self.reps = model, cfg, device, dtype, reps
-        self.g = torch.Generator(device=device).manual_seed(seed)
-        self._gemm: dict[int, dict] = {}
-
-    def gemm_rows(self, rows: int) -> dict:
-        """One layer's projections on ``rows`` token rows: ms and FLOPs per GEMM."""
-        if rows not in self._gemm:
-            out, total_ms, total_flops = [], 0.0, 0
-            for name, w in layer_gemms(self.model):
-                x = _randn((rows, w.shape[1]), self.device, self.dtype, self.g)
-                ms, _ = time_ms(lambda: F.linear(x, w), self.device, self.reps)
-                flops = 2 * rows * w.shape[0] * w.shape[1]
-                out.append({"gemm": name, "m": rows, "n": w.shape[0], "k": w.shape[1], "ms": ms,
-                            "tflops": flops / ms / 1e9})
-                total_ms, total_flops = total_ms + ms, total_flops + flops
-                del x
-            self._gemm[rows] = {"ms": total_ms, "flops": total_flops, "gemms": out}
-        return self._gemm[rows]
-
-    ROWS = (4096, 8192, 16384, 32768)
-
-    def linear(self, tokens: int) -> dict:
-        """All linear layers for one prompt of ``tokens``, plus lm_head on the last token, at the
-        best per-token rate cuBLAS reaches on the model's projections among row counts ``ROWS``
-        (capped at ``tokens``): the engine's choice of chunk rows cannot lower this floor."""
-        rows = sorted({min(tokens, r) for r in self.ROWS})
-        per_row = {r: self.gemm_rows(r) for r in rows}
-        best = min(rows, key=lambda r: per_row[r]["ms"] / r)
-        layer_ms = per_row[best]["ms"] * tokens / best
-        flops = per_row[best]["flops"] * tokens // best * self.cfg.num_layers
-        head = self.model.lm_head.weight
-        x1 = _randn((1, head.shape[1]), self.device, self.dtype, self.g)
-        head_ms, _ = time_ms(lambda: F.linear(x1, head), self.device, self.reps)
-        ms = layer_ms * self.cfg.num_layers + head_ms
-        return {"ms": ms, "tflops": flops / ms / 1e9, "flops": flops, "lm_head_ms": head_ms, "best_rows": best,
-                "layer_ms_by_rows": {str(r): per_row[r]["ms"] for r in rows},
-                "tflops_by_rows": {str(r): per_row[r]["flops"] / per_row[r]["ms"] / 1e9 for r in rows},
-                "gemms_per_chunk": per_row[best]["gemms"]}
-
-    def attention(self, tokens: int, reps: int) -> dict:
-        """One layer's causal attention at ``tokens`` through cuDNN SDPA (any SDPA backend on CPU),
-        on [1, H, T, D] views of [T, H, D] tensors: the layout the engine passes."""
-        c = self.cfg
-        q = _randn((tokens, c.num_heads, c.head_dim), self.device, self.dtype, self.g)
-        k = _randn((tokens, c.num_kv_heads, c.head_dim), self.device, self.dtype, self.g)
-        v = _randn((tokens, c.num_kv_heads, c.head_dim), self.device, self.dtype, self.g)
-        qh, kh, vh = (z.transpose(0, 1)[None] for z in (q, k, v))
-        gqa = c.num_heads != c.num_kv_heads
-
-        def f():
-            return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=c.head_dim ** -0.5,
-                                                  enable_gqa=gqa)
-        if self.device.type == "cuda":
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                ms, times = time_ms(f, self.device, reps)
-            backend = "cudnn"
-        else:
-            ms, times = time_ms(f, self.device, reps)
-            backend = "sdpa-default"
-        flops = 4 * c.num_heads * c.head_dim * tokens * (tokens + 1) // 2  # causal: QK^T and PV
-        return {"layer_ms": ms, "ms": ms * c.num_layers, "tflops": flops / ms / 1e9, "backend": backend,
-                "reps_ms": times}
-
-
-    def sustained(self, tokens: int, chunk: int, reps: int = 2, attn_len: int = 0,
-                  attention: bool = True) -> dict:
-        """The floor's work run back to back as a forward runs it (per layer: the projections on
-        ``chunk``-row pieces, cuDNN attention at ``tokens``), nothing else: what the mandatory GEMMs
-        and attention cost at the clocks the GPU holds under sustained load (its power cap), where
-        the per-op floor above times each op in a short burst. ``attn_len``: a batched step's
-        ``tokens`` are ``tokens // attn_len`` prompts of ``attn_len`` (one attention call each);
-        ``attention=False``: the GEMMs alone."""
-        c, dev, dt, g = self.cfg, self.device, self.dtype, self.g
-        (_, wqkv), (_, wo), (_, wgu), (_, wd) = layer_gemms(self.model)
-        rows = min(chunk, tokens)
-        xs = [_randn((rows, w.shape[1]), dev, dt, g) for w in (wqkv, wo, wgu, wd)]
-        alen = attn_len or tokens
-        q = _randn((alen, c.num_heads, c.head_dim), dev, dt, g)
-        k = _randn((alen, c.num_kv_heads, c.head_dim), dev, dt, g)
-        v = _randn((alen, c.num_kv_heads, c.head_dim), dev, dt, g)
-        qh, kh, vh = (z.transpose(0, 1)[None] for z in (q, k, v))
-        n_chunks = (tokens + rows - 1) // rows
-        n_attn = max(1, tokens // alen) if attention else 0
-
-        def forward():
-            for _ in range(c.num_layers):
-                for _ in range(n_chunks):
-                    F.linear(xs[0], wqkv)
-                for _ in range(n_attn):
-                    F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=c.head_dim ** -0.5,
-                                                   enable_gqa=c.num_heads != c.num_kv_heads)
-                for _ in range(n_chunks):
-                    F.linear(xs[1], wo)
-                    F.linear(xs[2], wgu)
-                    F.linear(xs[3], wd)
-        if dev.type == "cuda":
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                ms, times = time_ms(forward, dev, reps)
-        else:
-            ms, times = time_ms(forward, dev, reps)
-        return {"tokens": tokens, "rows": rows, "attn_len": alen, "attn_calls_per_layer": n_attn, "ms": ms,
-                "reps_ms": times}
-
-
-def matmul_peak(device, dtype, n: int, reps: int) -> dict:
-    g = torch.Generator(device=device).manual_seed(2)
-    a, b = _randn((n, n), device, dtype, g), _randn((n, n), device, dtype, g)
-    ms, _ = time_ms(lambda: a @ b, device, reps)
-    return {"n": n, "ms": ms, "tflops": 2 * n ** 3 / ms / 1e9}
-
-
-# ---- correctness ----
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def check_engine(model, cfg: ModelConfig, pool: KVPool, device, tokens: int, seed: int = 3,
-                 fp32: bool = False) -> dict:
-    """Engine logits and pool K/V vs the same model with the plain reference attention
-    (repeat_interleave + SDPA) and, where the fused kernels exist, the eager ops. With ``fp32`` also
-    both against the model in float32 (converted in place and back: bf16 -> fp32 -> bf16 is exact),
-    so that the engine's error is judged against the eager path's own bf16 error."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=g)
-    seq = Sequence(PrefillRequest("check", tuple(ids.tolist())), Future())
-    seq.block_ids = pool.allocate(pool.blocks_needed(tokens))
-    try:
-        runner = ModelRunner(model, pool, cfg.head_dim, device)
-        got = runner.run([Chunk(seq, 0, tokens)])[0]
-        ref_attn = CausalAttention.single(tokens, record=True)
-        off = fused.enabled(False) if fused is not None else contextlib.nullcontext()
-        with off, torch.no_grad():
-            ref = model(ids.to(device), torch.arange(tokens, device=device), ref_attn,
-                        torch.tensor([tokens - 1], device=device))[0]
-        out = {"tokens": tokens, "logits_rel_err": _rel(got, ref),
-               "logits_cos": float(F.cosine_similarity(got.double(), ref.double(), dim=0)),
-               "argmax_equal": int(got.argmax()) == int(ref.argmax()), "finite": bool(torch.isfinite(got).all())}
-        for layer in sorted({0, cfg.num_layers - 1}):
-            k, v = pool.read(layer, seq.block_ids, tokens)
-            out[f"k_rel_err_layer{layer}"] = _rel(k, ref_attn.keys[layer])
-            out[f"v_rel_err_layer{layer}"] = _rel(v, ref_attn.values[layer])
-        last = cfg.num_layers - 1
-        k_eng, _ = pool.read(last, seq.block_ids, tokens)
-        if fp32:
-            dtype = next(model.parameters()).dtype
-            k_ref, ref_attn = ref_attn.keys[last], None
-            model.float()
-            try:
-                a32 = CausalAttention.single(tokens, record=True)
-                with fused.enabled(False) if fused is not None else contextlib.nullcontext(), torch.no_grad():
-                    r32 = model(ids.to(device), torch.arange(tokens, device=device), a32,
-                                torch.tensor([tokens - 1], device=device))[0]
-                k32 = a32.keys[last]
-                a32 = None
-            finally:
-                model.to(dtype)
-            out.update(engine_vs_fp32_logits=_rel(got, r32), eager_vs_fp32_logits=_rel(ref, r32),
-                       engine_vs_fp32_k_last=_rel(k_eng, k32), eager_vs_fp32_k_last=_rel(k_ref, k32),
-                       engine_argmax_eq_fp32=int(got.argmax()) == int(r32.argmax()),
-                       eager_argmax_eq_fp32=int(ref.argmax()) == int(r32.argmax()))
-        del ref_attn
-    finally:
-        pool.free(seq.block_ids)
-    if fp32:  # as accurate as the eager bf16 path, within a margin
-        out["pass"] = bool(out["finite"] and out["engine_vs_fp32_logits"] <= 1.5 * out["eager_vs_fp32_logits"] + 1e-3
-                           and out["engine_vs_fp32_k_last"] <= 1.5 * out["eager_vs_fp32_k_last"] + 1e-3)
-    else:
-        out["pass"] = bool(out["finite"] and out["logits_rel_err"] < 5e-2 and out["logits_cos"] > 0.998
-                           and all(val < 2e-2 for key, val in out.items() if key.startswith(("k_rel", "v_rel"))))
-    return out
-
-
-def check_fused(cfg: ModelConfig, device, dtype, rows: int = 2048) -> dict:
-    """Each fused kernel against its eager ops on random data (CUDA only)."""
-    if fused is None or not fused.available(torch.empty(0, device=device)):
-        return {"skipped": "fused kernels unavailable here"}
-    from prefill_server.layers.rotary import RotaryEmbedding, apply_rotary
-    g = torch.Generator(device=device).manual_seed(4)
-    c = cfg
-    res = {}
-    x = _randn((rows, c.hidden_size), device, dtype, g) * 3
-    w = (1 + 0.1 * _randn((c.hidden_size,), device, torch.float32, g)).to(dtype)
-    xf = x.float()
-    eager = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)).to(dtype)
-    got = fused.rms_norm(x, w, c.rms_norm_eps)
-    res["rms_norm_max_abs"] = float((got.float() - eager.float()).abs().max())
-    res["rms_norm_rel"] = _rel(got, eager)
-    qkv = _randn((rows, c.q_size + 2 * c.kv_size), device, dtype, g)
-    cos, sin = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling).cos_sin(
-        torch.randint(0, 100000, (rows,), device=device, generator=g), dtype)
-    q, k, v = fused.rope_qkv(qkv, cos, sin, c.num_heads, c.num_kv_heads, c.head_dim)
-    eq, ek, ev = torch.split(qkv, [c.q_size, c.kv_size, c.kv_size], dim=-1)
-    eq = apply_rotary(eq.reshape(rows, c.num_heads, c.head_dim), cos, sin)
-    ek = apply_rotary(ek.reshape(rows, c.num_kv_heads, c.head_dim), cos, sin)
-    res["rope_mismatch_frac"] = float(((q != eq).sum() + (k != ek).sum()) / (q.numel() + k.numel()))
-    res["rope_max_abs"] = float(max((q.float() - eq.float()).abs().max(), (k.float() - ek.float()).abs().max()))
-    res["rope_rel"] = max(_rel(q, eq), _rel(k, ek))
-    res["v_copy_exact"] = bool(torch.equal(v, ev.reshape(rows, c.num_kv_heads, c.head_dim)))
-    gu = _randn((rows, 2 * c.intermediate_size), device, dtype, g) * 3
-    eg, eu = gu.chunk(2, dim=-1)
-    es = F.silu(eg) * eu
-    gs = fused.silu_mul(gu)
-    res["silu_mul_max_abs"] = float((gs.float() - es.float()).abs().max())
-    res["silu_mul_rel"] = _rel(gs, es)
-    page = torch.full((rows // 16 + 2, c.num_kv_heads, 16, 2 * c.head_dim), float("nan"), device=device, dtype=dtype)
-    ref_page = page.clone()
-    perm = torch.randperm(page.shape[0], device=device, generator=g)
-    pos = torch.arange(rows, device=device)
-    blocks, offs = perm[pos // 16], pos % 16
-    fused.kv_write(page, blocks, offs, k, v)
-    ref_page[blocks, :, offs, : c.head_dim] = k
-    ref_page[blocks, :, offs, c.head_dim:] = v
-    res["kv_write_exact"] = bool(torch.equal(page.nan_to_num(7.0), ref_page.nan_to_num(7.0)))
-    res["pass"] = bool(res["rope_rel"] < 1e-2 and res["v_copy_exact"] and res["kv_write_exact"]
-                       and res["rms_norm_rel"] < 1e-2 and res["silu_mul_rel"] < 1e-2)
-    return res
-
-
-def attention_diagnostics(model, cfg: ModelConfig, device, dtype, tokens: int, reps: int = 5) -> dict:
-    """cuDNN attention at ``tokens`` on random q/k/v and on the last layer's real q/k/v (captured from
-    a forward), each alone and right after a large GEMM as inside a forward: separates effects of the
-    data from effects of the GPU's state (clocks under sustained GEMM load)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from prefill_server.layers.attention import dense_attention
-    last, scale, cap = cfg.num_layers - 1, cfg.head_dim ** -0.5, {}
-
-    def attn(layer, q, k, v):
-        if layer == last:
-            cap["qkv"] = (q.clone(), k.clone(), v.clone())
-        return dense_attention(q, k, v, scale)
-    g = torch.Generator(device=device).manual_seed(5)
-    ids = torch.randint(0, cfg.vocab_size, (tokens,), device=device, generator=g)
-    with torch.no_grad():
-        model(ids, torch.arange(tokens, device=device), attn, torch.tensor([tokens - 1], device=device))
-    rnd = tuple(_randn(z.shape, device, dtype, g) for z in cap["qkv"])
-    w = model.model.layers[0].mlp.gate_up_proj.weight
-    xg = _randn((8192, w.shape[1]), device, dtype, g)
-    res: dict = {"tokens": tokens}
-    for name, (q, k, v) in (("random", rnd), ("captured", cap["qkv"])):
-        qh, kh, vh = (z.transpose(0, 1)[None] for z in (q, k, v))
-        f = lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,  # noqa: E731
-                                                   enable_gqa=True)
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            res[f"{name}_alone_ms"] = time_ms(f, device, reps)[0]
-            times = []
-            for _ in range(reps + 1):
-                F.linear(xg, w)
-                F.linear(xg, w)
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                f()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b))
-            res[f"{name}_after_gemm_ms"] = statistics.median(times[1:])
-        res[f"{name}_q_absmax"], res[f"{name}_k_absmax"] = float(q.abs().max()), float(k.abs().max())
-        res[f"{name}_q_std"], res[f"{name}_k_std"] = float(q.float().std()), float(k.float().std())
-    return res
 
 
 # ---- profile ----
@@ -531,13 +156,6 @@ def throughput_run(engine: Engine, cfg: ModelConfig, n: int, tokens: int, device
             "steps": [{"tokens": t, "schedule_s": s, "step_s": d} for t, s, d in steps]}
 
 
-def model_args(ap: argparse.ArgumentParser) -> None:
-    """--preset, --device, --dtype (shared with ``bench e2e stream``)."""
-    ap.add_argument("--preset", default="llama-3.1-8b", choices=["llama-3.1-8b", "tiny"])
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-
-
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="prefill-server bench e2e", description=__doc__.split("\n\n")[0])
     model_args(ap)
@@ -575,7 +193,6 @@ def parse_args(argv):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench_e2e.json")
     args = ap.parse_args(argv)
-    ints = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731
     args.lengths, args.compare_unfused = ints(args.lengths), ints(args.compare_unfused)
     args.compare_chunk_lengths = ints(args.compare_chunk_lengths) if args.compare_chunk else []
     args.sustained_floor = ints(args.sustained_floor)
@@ -737,7 +354,7 @@ def run(args) -> dict:
                 r["step_floor"]["of_linear_floor_if_at_sustained_floor"] = lin_ms / both["ms"] / n_steps
             log("throughput step floor", {k: v for k, v in r["step_floor"].items() if not isinstance(v, dict)})
         if args.throughput_densities:
-            from prefill_server.bench.stream import BenchSparse  # (it imports this module)
+            from prefill_server.bench.sparse import BenchSparse  # (the block-sparse kernels: only here)
             r["sparse"] = []
             for d in args.throughput_densities:
                 mark(f"throughput_sparse_{d:g}")
@@ -764,13 +381,6 @@ def run(args) -> dict:
     mark("end")
     res["meta"]["elapsed_s"] = time.perf_counter() - t_start
     return res
-
-
-def _version(mod: str) -> str | None:
-    try:
-        return __import__(mod).__version__
-    except Exception:
-        return None
 
 
 def table(res: dict) -> str:
@@ -810,16 +420,6 @@ def table(res: dict) -> str:
     if "matmul_peak" in res:
         lines.append(f"matmul {res['matmul_peak']['n']}^3: {res['matmul_peak']['tflops']:.0f} TFLOP/s")
     return "\n".join(lines)
-
-
-def bench_args(parse, argv: list[str], name: str):
-    """``parse(argv)`` with ``argv`` kept on it (for the JSON); None if it asks for a GPU that is absent."""
-    args = parse(argv)
-    args.argv = argv
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print(f"{name}: no CUDA GPU here (use --preset tiny --device cpu for a smoke run)", file=sys.stderr)
-        return None
-    return args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """``prefill-server bench e2e stream``: sparse-mode prefill end to end on one GPU, every layer's KV
 streamed over NIXL into a receiver in another process (Llama-3.1-8B shape, random weights).
 
-What runs: the real engine (``Engine.submit_push`` -> scheduler -> ``ModelRunner`` -> staging slots
+What runs: the real engine (``Engine.start_stream`` -> scheduler -> ``ModelRunner`` -> staging slots
 -> ``PushProducer`` WRITE per layer) with the sparse adapter (``layers.sparse``: dense below
 ``dense_len_threshold`` and for the first layer(s) up to ``dense_first_layers_max_len`` tokens,
 estimator + block-sparse kernel otherwise). The receiver (``bench/stream_receiver.py``) is a
@@ -22,12 +22,15 @@ Transfer variants (same length and density):
   producer that sends nothing: what the push path costs by itself;
 - ``nixl``: the engine's ``PushProducer`` -> receiver process (each layer's WRITE posted on the
   producer's poster thread once the layer's event completes: the forward's thread never waits);
-- ``nixl-sync``: the same producer with ``async_post = False``: the forward's thread waits for the
-  layer's event and posts the WRITE itself (the producer before the poster thread, for comparison);
-- ``nixl-reap``: ``nixl`` plus a bench thread that checks every in-flight WRITE's state each
-  millisecond (``stream_transfer.Reaper``: does a WRITE complete only when polled?);
-- ``copy`` (when NIXL is not importable): the same bytes copied to pinned host memory on a side CUDA
-  stream, ordered by events: the lower bound of what hiding the transfer can cost.
+- ``copy`` (instead of ``nixl`` when NIXL is not importable, or asked for): the same bytes copied to
+  pinned host memory on a side CUDA stream, ordered by events: the lower bound of what hiding the
+  transfer can cost.
+(The finished experiments ``nixl-sync``, posting on the forward's thread, and ``nixl-reap``, a bench
+thread polling every WRITE, were removed once measured: docs/e2e-gpu-notes.md, third slice.)
+
+Parts: ``common.py`` (model, engine, timing, options), ``sparse.py`` (``BenchSparse``),
+``stream_transfer.py`` (the producers of the variants, the receiver process), ``stream_receiver.py``
+(that process).
 
     prefill-server bench e2e stream --lengths 131072 --long 1048576 --out stream.json
     prefill-server bench e2e stream --preset tiny --device cpu ...   # a smoke run (tests/bench)
@@ -46,83 +49,20 @@ import time
 
 import torch
 
-from prefill_server.bench.attention import fixed_mask
-from prefill_server.bench.e2e import (DropProducer, _sync, _version, bench_args, drive, model_args,
-                                      model_config, random_model)
-from prefill_server.bench.stream_transfer import SECRET, CopyPush, NullPush, Reaper, ReceiverProc
+from kv_transfer.base import Route
+from prefill_server.bench.common import (DropProducer, _sync, _version, bench_args, drive, ints, model_args,
+                                         model_config, random_model)
+from prefill_server.bench.sparse import BenchSparse, sparse_config
+from prefill_server.bench.stream_transfer import SECRET, CopyPush, NullPush, ReceiverProc
 from prefill_server.engine.engine import Engine
 from prefill_server.engine.kv_pool import KVPool
 from prefill_server.engine.runner import ModelRunner
 from prefill_server.engine.scheduler import Chunk, Scheduler, Sequence
 from prefill_server.engine.types import PrefillRequest
-from prefill_server.kernels.block_sparse import SparseConfig, build_layout, plan, plan_from_mask
-from prefill_server.kernels.block_sparse.layout import slot_geometry
-from prefill_server.layers.sparse import SparseAttention
 
 TARGET_128K_S, TARGET_1M_S, TARGET_STREAM_RATIO = 3.8, 45.0, 1.05
 FINGERPRINT = "bench:{preset}:random-weights"
-
-
-# ---- sparse adapter, instrumented ----
-class BenchSparse(SparseAttention):
-    """The engine's sparse adapter plus: the estimator's density per layer, kept on the device (no
-    host sync in the forward); with ``density`` set, the kernel runs a fixed mask of that density
-    instead of the estimator's selection (the estimator still runs: its cost stays in the time)."""
-
-    def __init__(self, config: SparseConfig | None = None, density: float | None = None, seed: int = 0):
-        super().__init__(config)
-        self.density, self.seed = density, seed
-        self._fixed: dict[tuple[int, int], object] = {}  # (Tq, Tk) -> Plan on the fixed mask
-        self._geo: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._kept: list[tuple[int, tuple[int, int], torch.Tensor]] = []
-        self.mask_density: dict[int, float] = {}  # Tk -> achieved density of the fixed mask
-
-    @property
-    def label(self) -> str:
-        return "estimator" if self.density is None else f"fixed-{self.density:g}"
-
-    def prepare(self, tokens: int, num_kv_heads: int, head_dim: int, device) -> None:
-        """Build the fixed mask for a whole prompt of ``tokens`` ahead of the timed runs."""
-        if self.density is None or (tokens, tokens) in self._fixed:
-            return
-        cu = torch.tensor([0, tokens], dtype=torch.int32, device=device)
-        layout = build_layout(cu, cu, tokens, tokens, self.config.block_size)
-        sel = fixed_mask(layout, num_kv_heads, self.density, self.seed)
-        p = plan_from_mask(sel, layout, self.config, head_dim ** -0.5)
-        self.mask_density[tokens] = p.density()
-        self._fixed[(tokens, tokens)] = p
-
-    def attend(self, layer, q, k, v, scale):
-        cu_q = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
-        cu_k = torch.tensor([0, k.shape[0]], dtype=torch.int32, device=q.device)
-        p = plan(q, k, cu_q, cu_k, self.config, layer=layer, scale=scale)
-        if p.dense:
-            return p.run(q, k, v)[0]
-        key = (q.shape[0], k.shape[0])
-        if key not in self._geo:
-            lo, hi, valid = slot_geometry(p.layout)
-            zero = torch.zeros_like(hi)
-            self._geo[key] = (torch.where(valid, hi - lo + 1, zero).sum(), torch.where(valid, hi + 1, zero).sum(),
-                              k.shape[1])
-        self._kept.append((layer, key, p.cnt.sum()))
-        if self.density is None:
-            return p.run(q, k, v)[0]
-        if key not in self._fixed:  # (not prepared: built here, inside the timed run)
-            self.prepare(k.shape[0], k.shape[1], q.shape[2], q.device)
-        return self._fixed[key].run(q, k, v)[0]
-
-    def take_densities(self) -> dict:
-        """Estimator density per sparse layer of the last run(s): computed causal blocks (kept +
-        diagonal) / all causal blocks, over KV heads. Syncs; clears the record."""
-        per = []
-        for layer, key, kept in self._kept:
-            diag, tot, hkv = self._geo[key]
-            per.append((layer, float((kept + hkv * diag) / (hkv * tot))))
-        self._kept.clear()
-        vals = [d for _, d in per]
-        return {"mean": statistics.fmean(vals) if vals else None, "min": min(vals, default=None),
-                "max": max(vals, default=None), "per_layer": per}
-
+VARIANTS = ("null-push", "nixl", "copy")  # the transfer variants (besides "none", always run)
 
 # ---- one timed request ----
 def _ids(cfg, n: int, seed: int) -> tuple[int, ...]:
@@ -144,9 +84,9 @@ def timed_request(engines: dict, variant: str, n: int, rid: str, ids, device, re
     if variant == "none":
         (res,) = drive(eng, [PrefillRequest(rid, ids)])
     else:
-        fut, params = eng.submit_push(PrefillRequest(rid, ids, push=True))
-        if receiver is not None and variant.startswith("nixl"):
-            from kv_transfer.push import PARAMS_KEY
+        fut, params = eng.start_stream(PrefillRequest(rid, ids, route=Route.STREAM))
+        if receiver is not None and variant == "nixl":
+            from kv_transfer.wire import PARAMS_KEY
             p = params[PARAMS_KEY]
             receiver.send(op="register", host=p["host"], port=p["port"], rid=rid, num_tokens=n)
         while eng.scheduler.has_work():
@@ -163,7 +103,7 @@ def timed_request(engines: dict, variant: str, n: int, rid: str, ids, device, re
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
         out.update(peak_mem_gib=peak / 2**30, activation_peak_gib=(peak - base) / 2**30)
-    if receiver is not None and variant.startswith("nixl"):
+    if receiver is not None and variant == "nixl":
         ev = receiver.next(lambda e: e.get("rid") == rid and e["event"] in ("done", "failed"), 120)
         out["receiver"] = ev["event"] if ev["event"] == "failed" else "done"
         if ev["event"] == "done":
@@ -185,7 +125,6 @@ def _check_streamed(engines, pool, receiver, cfg, n, device, sparse, seed) -> di
     layers = sorted({0, 1, cfg.num_layers - 1})
     runner = engines["none"].runner
     runner.sparse = engines["nixl"].runner.sparse = sparse
-    engines["nixl"].producer.async_post = True
     seq = Sequence(PrefillRequest("check-pull", ids), None)
     seq.block_ids = pool.allocate(pool.blocks_needed(n))
     try:
@@ -218,10 +157,12 @@ def parse_args(argv):
     ap.add_argument("--lengths", default="131072", help="lengths timed without transfer and streamed")
     ap.add_argument("--densities", default="0.01,0.02,0.05", help="fixed kernel densities, no-transfer runs")
     ap.add_argument("--stream-density", type=float, default=0.02, help="fixed density of the transfer variants")
-    ap.add_argument("--variants", default="null-push,nixl,nixl-sync", help="transfer variants at --lengths")
+    ap.add_argument("--variants", default="null-push,nixl",
+                    help=f"transfer variants at --lengths, of {', '.join(VARIANTS)} (nixl falls back to copy "
+                    "when NIXL is missing)")
     ap.add_argument("--estimator-lengths", default="131072",
                     help="lengths also run with the estimator's own selection (default settings)")
-    ap.add_argument("--estimator-variant", default="nixl", help="transfer variant of those runs")
+    ap.add_argument("--estimator-variant", default="nixl", help="transfer variant of those runs (or none)")
     ap.add_argument("--long", default="1048576", help="lengths run streamed only (the KV cannot be resident)")
     ap.add_argument("--long-runs", default="nixl:1",
                     help="variant:dense_first_layers for each --long run, in order (those layers run dense "
@@ -238,24 +179,16 @@ def parse_args(argv):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench_stream.json")
     a = ap.parse_args(argv)
-    ints = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731
     a.lengths, a.estimator_lengths, a.long = ints(a.lengths), ints(a.estimator_lengths), ints(a.long)
     a.densities = [float(x) for x in a.densities.split(",") if x.strip()]
-    a.variants = [v for v in a.variants.split(",") if v.strip()]
-    a.long_runs = [(v.split(":")[0], int(v.split(":")[1])) for v in a.long_runs.split(",") if v.strip()]
+    a.variants = [v.strip() for v in a.variants.split(",") if v.strip()]
+    a.long_runs = [(v.split(":")[0].strip(), int(v.split(":")[1])) for v in a.long_runs.split(",") if v.strip()]
+    for v in a.variants + [v for v, _ in a.long_runs]:
+        if v not in VARIANTS:
+            ap.error(f"unknown transfer variant {v!r}: use {', '.join(VARIANTS)}")
+    if a.estimator_variant not in VARIANTS + ("none",):
+        ap.error(f"unknown --estimator-variant {a.estimator_variant!r}")
     return a
-
-
-def sparse_config(overrides: str) -> SparseConfig:
-    kw = {}
-    fields = {f.name: f.type for f in dataclasses.fields(SparseConfig)}
-    for item in filter(None, (s.strip() for s in overrides.split(","))):
-        k, v = item.split("=")
-        if k not in fields:
-            raise SystemExit(f"--sparse: unknown SparseConfig field {k!r}")
-        kw[k] = v if k == "backend" else (float(v) if "." in v or "e" in v else int(v))
-    return SparseConfig(**kw)
-
 
 def _dist_version(name: str) -> str | None:
     try:
@@ -325,10 +258,11 @@ def run(args) -> dict:
               token_budget=pull_len, max_num_seqs=1, max_queue_wait_s=3600.0)
 
     def engine(pl, producer):
-        return Engine(ModelRunner(model, pl, cfg.head_dim, device), pl, producer, **mk)
+        stream_to = producer if Route.STREAM in producer.routes else None
+        return Engine(ModelRunner(model, pl, cfg.head_dim, device, stream_to=stream_to), pl, producer, **mk)
 
     engines = {"none": engine(pool, DropProducer(pool)), "null-push": engine(stage, NullPush())}
-    receiver = reaper = None
+    receiver = None
     try:
         from kv_transfer import wire
         from kv_transfer.push import PushProducer
@@ -339,8 +273,7 @@ def run(args) -> dict:
         producer.start()  # creates the NIXL agent, registers the staging pool
         import nixl._api as _nixl_api
         res["meta"]["nixl_module"] = getattr(_nixl_api.nixl_agent, "__module__", "?")
-        engines["nixl"] = engines["nixl-sync"] = engines["nixl-reap"] = engine(stage, producer)
-        reaper = Reaper(producer)
+        engines["nixl"] = engine(stage, producer)
         rdev = args.receiver_device or device.type
         receiver = ReceiverProc(geometry, nb(min(args.ring_tokens, push_len)), rdev)
         res["meta"]["receiver"] = {"device": rdev, "cache_gib": receiver.info["cache_gib"],
@@ -349,10 +282,11 @@ def run(args) -> dict:
     except Exception as e:  # noqa: BLE001 - NIXL missing or broken here: measure what we can
         res["errors"]["nixl"] = f"{type(e).__name__}: {e}"
         log("NIXL unavailable, streaming falls back to the side-stream copy:", res["errors"]["nixl"])
+        args.variants = list(dict.fromkeys("copy" if v == "nixl" else v for v in args.variants))
+        args.long_runs = [("copy" if v == "nixl" else v, d) for v, d in args.long_runs]
         engines["copy"] = engine(stage, CopyPush(stage))
-        args.variants = [("copy" if v.startswith("nixl") else v) for v in args.variants]
-        args.variants = list(dict.fromkeys(args.variants))
-        args.long_runs = [("copy" if v.startswith("nixl") else v, d) for v, d in args.long_runs]
+    if "copy" not in engines and "copy" in args.variants + [v for v, _ in args.long_runs] + [args.estimator_variant]:
+        engines["copy"] = engine(stage, CopyPush(stage))
     log(f"model + pools ready in {time.perf_counter() - t_start:.1f} s")
     save()
 
@@ -361,9 +295,6 @@ def run(args) -> dict:
 
     def one(variant, n, sparse, tag, seed, note=""):
         engines[variant].runner.sparse = sparse
-        if variant.startswith("nixl"):
-            engines[variant].producer.async_post = variant != "nixl-sync"
-            reaper.enabled = variant == "nixl-reap"
         rid = f"{tag}-{variant}-{n}-{seed}"
         r = timed_request(engines, variant, n, rid, _ids(cfg, n, seed), device, receiver)
         r.update(mode=sparse.label, tag=tag, dense_first_layers=sparse.config.first_dense_layers(n),
@@ -444,10 +375,8 @@ def run(args) -> dict:
         for variant, dfl in args.long_runs:
             sp = BenchSparse(dataclasses.replace(scfg, dense_first_layers=dfl), args.stream_density, args.seed)
             scale = n / max(args.lengths or [n])
-            # (the 128K time scaled, the dense first layer ~0.25 s x scale^2, and when posting on the
-            # forward's thread ~45 ms of host time per 128K tokens per layer while the GPU idles)
-            predicted = (base * scale * 1.3 + sp.config.first_dense_layers(n) * 0.25 * scale ** 2
-                         + (1.5 * scale if variant == "nixl-sync" else 0))
+            # (the 128K time scaled, the dense first layer ~0.25 s x scale^2)
+            predicted = base * scale * 1.3 + sp.config.first_dense_layers(n) * 0.25 * scale ** 2
             if not fits(f"{variant}-{n}-dfl{dfl}", predicted):
                 continue
 
@@ -461,9 +390,6 @@ def run(args) -> dict:
             sp._fixed.clear()
     if receiver is not None:
         receiver.close()
-    if reaper is not None:
-        res["meta"]["reaper_polls"] = reaper.polls
-        reaper.stop()
     for e in {id(x): x for x in engines.values()}.values():
         e.producer.stop()
     res["summary"] = summarize(res)

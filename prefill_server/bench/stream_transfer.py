@@ -1,10 +1,9 @@
 """The transfer variants of ``bench e2e stream`` (see its docstring): producers that stand in for
 the engine's ``PushProducer`` (``NullPush``: the push path sending nothing; ``CopyPush``: the same
 bytes copied to pinned host memory on a side CUDA stream), and ``ReceiverProc``, the receiving
-``PushReceiver`` in a subprocess (``bench/stream_receiver.py``); ``Reaper``, an experiment on when
-NIXL completes a WRITE. (The prototype of posting off the
-forward's thread that lived here is now ``PushProducer`` itself; ``async_post = False`` is the old
-behaviour.)
+``PushReceiver`` in a subprocess (``bench/stream_receiver.py``). (The prototype of posting off the
+forward's thread that lived here is now ``PushProducer`` itself; ``Reaper``, the experiment that
+showed NIXL completes a WRITE only when its state is checked, is now the producer's own polling.)
 """
 from __future__ import annotations
 
@@ -17,15 +16,19 @@ import time
 
 import torch
 
+from kv_transfer.base import Route, StreamProducer
 from prefill_server.engine.kv_pool import KVPool
 from prefill_server.engine.scheduler import Scheduler
 
 SECRET = "bench-stream-secret-0123456789"
 
+
 # ---- producers for the variants without NIXL ----
-class NullPush:
+class NullPush(StreamProducer):
     """The push path with nothing sent: ``layer_done`` waits for the layer's K/V (the event) as the
     engine's producer does, and returns."""
+
+    routes = frozenset({Route.STREAM})
 
     def __init__(self):
         self._live: set[str] = set()
@@ -41,6 +44,9 @@ class NullPush:
 
     def is_ready(self, request_id: str) -> bool:
         return request_id in self._live
+
+    def wants_pull(self, request_id: str) -> bool:
+        return False
 
     def overdue(self, request_id: str, now=None):
         return None
@@ -115,40 +121,6 @@ class CopyPush(NullPush):
             self.wait_layer(request_id, layer)
         self._idx.clear()
         return super().finish(request_id)
-
-
-class Reaper:
-    """A bench-side experiment (variant ``nixl-reap``): a thread that checks the state of every
-    in-flight WRITE of ``producer`` (a ``PushProducer``) each ``interval_s``, without releasing
-    anything. Calls 1-3 measured ~106 ms from post to the receiver's notification per 512 MiB layer
-    at 128K, where the same WRITE alone takes ~0.5 ms: the question is whether NIXL moves a
-    transfer on (and sends its notification) only when its state is checked, which the producer
-    does only in ``wait_layer`` (two layers later) and ``finish``."""
-
-    def __init__(self, producer, interval_s: float = 0.001):
-        self.producer, self.interval_s = producer, interval_s
-        self.enabled = False
-        self.polls = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="bench-reaper", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        pr = self.producer
-        while not self._stop.wait(self.interval_s):
-            if not self.enabled:
-                continue
-            with pr._lock:
-                if pr._agent is None:
-                    continue
-                for p in list(pr._reqs.values()):
-                    for h in list(p.handles.values()):
-                        pr._agent.poll(h)
-                        self.polls += 1
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
 
 
 # ---- the receiver process ----

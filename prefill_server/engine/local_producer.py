@@ -3,11 +3,15 @@ releases it (gRPC ``Release``) or it expires. Used by tests and benchmarks of th
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
+from kv_transfer.base import LeaseProducer, Route
 from prefill_server.engine.kv_pool import KVPool
 
 
-class LocalProducer:
+class LocalProducer(LeaseProducer):
+    routes = frozenset({Route.LEASE})
+
     def __init__(self, pool: KVPool, lease_ttl_s: float = 30.0):
         self.pool, self.lease_ttl_s = pool, lease_ttl_s
         self._stop = threading.Event()
@@ -31,5 +35,8 @@ class LocalProducer:
         return {"transfer_mode": "local", "request_id": request_id, "num_tokens": num_tokens,
                 "block_ids": list(block_ids)}
 
-    def abort(self, request_id: str) -> bool:
-        return self.pool.release(request_id)
+    def abort(self, request_id: str, reason: str = "", on_idle: Callable[[], None] | None = None) -> bool:
+        released = self.pool.release(request_id)
+        if on_idle is not None:  # (nothing is ever in flight here)
+            on_idle()
+        return released

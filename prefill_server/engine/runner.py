@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kv_transfer.base import StreamProducer
 from prefill_server.engine.kv_pool import KVPool
 from prefill_server.engine.scheduler import Chunk, Scheduler, Sequence
 from prefill_server.errors import RequestCancelled
@@ -98,11 +99,11 @@ class PagedAttention:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, pool: KVPool, head_dim: int, device: torch.device,
-                 sparse=None):
+                 sparse=None, stream_to: StreamProducer | None = None):
         self.model, self.pool, self.device = model, pool, device
         self.scale = head_dim ** -0.5
         self.sparse = sparse
-        self.producer = None  # the push producer, for streamed prompts (set by the engine)
+        self.stream_to = stream_to  # where STREAM prompts' layers are written (connector mode)
 
     @torch.inference_mode()
     def run(self, chunks: list[Chunk]) -> torch.Tensor | None:
@@ -121,10 +122,11 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.cat(pos)
         stream = None
-        if len(chunks) == 1 and chunks[0].seq.push:
+        if len(chunks) == 1 and chunks[0].seq.streams:
             c = chunks[0]
             assert c.start == 0 and c.is_last, "a streamed prompt runs whole, in one step"
-            stream = _Stream(self.pool, self.producer, c.seq, c.end, Scheduler.STREAM_SLOTS)
+            assert self.stream_to is not None, "a STREAM request on an engine whose producer does not stream"
+            stream = _Stream(self.pool, self.stream_to, c.seq, c.end, Scheduler.STREAM_SLOTS)
         attn = PagedAttention(self.pool, slices, self.scale, self.sparse, stream)
         idx = torch.tensor(last_rows, dtype=torch.long, device=self.device)
         logits = self.model(input_ids, positions, attn, idx)  # [n_last, V]; empty rows are cheap

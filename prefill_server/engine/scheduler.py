@@ -5,11 +5,12 @@ continuing chunks of sequences already running (oldest first), then new sequence
 the pool can hold their whole prompt. A prompt longer than the budget is split into chunks over
 several steps; later chunks attend to the earlier chunks' K/V through the pool.
 
-Push (connector mode) sequences stream their KV out layer by layer, so they run as ONE whole-prompt
+STREAM sequences (connector mode) stream their KV out layer by layer, so they run as ONE whole-prompt
 chunk in a step of their own, on a few staging blocks (``KVPool.stream_blocks_needed``), once their
 decode has registered (``push_ready``); until then they wait without blocking the queue. If the
-decode asked for the pull fallback (``wants_pull``), the sequence runs like any other from then on
-(whole prompt resident, chunked) and its blocks are leased to the decode at the end.
+decode asked for the pull fallback (``wants_pull``), the sequence turns STREAM_THEN_PULL and runs
+like any other from then on (whole prompt resident, chunked); its blocks are leased to the decode at
+the end.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from kv_transfer.base import Route, StreamProducer
 from prefill_server.engine.kv_pool import KVPool
 from prefill_server.engine.types import PrefillRequest
 from prefill_server.errors import PoolExhausted, PromptTooLong
@@ -31,9 +33,12 @@ class Sequence:
     t_first_scheduled: float | None = None
     block_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
-    params: dict | None = None  # connector mode: the kv_transfer_params handed to the decode at submit
-    pull: bool = False  # connector mode, the decode asked for pull: computed whole, then leased
+    params: dict | None = None  # STREAM: the kv_transfer_params handed to the decode at submit
     abort_requested: bool = False  # Engine.abort while running: a streamed forward stops at its next layer
+    route: Route = field(init=False)  # the request's; STREAM turns STREAM_THEN_PULL if its decode asks
+
+    def __post_init__(self) -> None:
+        self.route = self.request.route
 
     @property
     def request_id(self) -> str:
@@ -49,14 +54,9 @@ class Sequence:
         return self.num_tokens + self.request.room_tokens
 
     @property
-    def connector(self) -> bool:
-        """Connector mode: a decode registers for this request's KV (push or pull)."""
-        return self.request.push
-
-    @property
-    def push(self) -> bool:
-        """Streamed: each layer is written to the decode as it is computed."""
-        return self.request.push and not self.pull
+    def streams(self) -> bool:
+        """Each layer is written to the decode as it is computed (one whole-prompt step)."""
+        return self.route is Route.STREAM
 
 
 @dataclass(frozen=True)
@@ -74,11 +74,13 @@ class Scheduler:
     STREAM_SLOTS = 2  # layers of a streamed prompt held at once (one computing, one in flight)
 
     def __init__(self, pool: KVPool, token_budget: int, max_num_seqs: int, max_queue_wait_s: float,
-                 push_ready=None, wants_pull=None):
+                 stream: StreamProducer | None = None):
+        """stream: the producer STREAM sequences wait on (has their decode registered? did it ask
+        for the pull fallback?)."""
         assert token_budget > 0 and max_num_seqs > 0
         self.pool = pool
-        self.push_ready = push_ready or (lambda rid: True)  # (request id) -> decode registered?
-        self.wants_pull = wants_pull or (lambda rid: False)  # (request id) -> it asked for pull?
+        self.push_ready = stream.is_ready if stream else (lambda rid: True)
+        self.wants_pull = stream.wants_pull if stream else (lambda rid: False)
         self.token_budget, self.max_num_seqs = token_budget, max_num_seqs
         self.max_queue_wait_s = max_queue_wait_s
         self.waiting: deque[Sequence] = deque()
@@ -89,7 +91,7 @@ class Scheduler:
 
     def blocks_for(self, seq_or_n, push: bool = False) -> int:
         if isinstance(seq_or_n, Sequence):
-            seq_or_n, push = seq_or_n.num_kv_tokens, seq_or_n.push
+            seq_or_n, push = seq_or_n.num_kv_tokens, seq_or_n.streams
         if push:
             return self.pool.stream_blocks_needed(seq_or_n, self.STREAM_SLOTS)
         return self.pool.blocks_needed(seq_or_n)
@@ -107,7 +109,7 @@ class Scheduler:
                 f"({self.pool.num_blocks * self.pool.block_size} tokens): send a shorter prompt")
 
     def add(self, seq: Sequence) -> None:
-        self.check_fits(seq.num_kv_tokens, seq.push)
+        self.check_fits(seq.num_kv_tokens, seq.streams)
         self.waiting.append(seq)
 
     @property
@@ -139,11 +141,11 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            if seq.push:
+            if seq.streams:
                 if not self.push_ready(seq.request_id):
                     continue  # its decode has not registered yet: let others go first
                 if self.wants_pull(seq.request_id):
-                    seq.pull = True  # from here on an ordinary sequence (seq.push is False)
+                    seq.route = Route.STREAM_THEN_PULL  # from here on an ordinary sequence
                 elif chunks:
                     break  # a streamed prompt runs in a step of its own
             try:
@@ -154,13 +156,13 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.t_first_scheduled = now
             self.running.append(seq)
-            if seq.push:
+            if seq.streams:
                 return [Chunk(seq, 0, seq.num_tokens)], timed_out
             n = min(budget, seq.num_tokens)
             chunks.append(Chunk(seq, 0, n))
             budget -= n
         for seq in list(self.waiting):  # (a push sequence waiting for its decode: see Engine)
-            if now - seq.t_submit > self.max_queue_wait_s and (not seq.push or self.push_ready(seq.request_id)):
+            if now - seq.t_submit > self.max_queue_wait_s and (not seq.streams or self.push_ready(seq.request_id)):
                 self.waiting.remove(seq)
                 timed_out.append(seq)
         return chunks, timed_out

@@ -11,7 +11,7 @@ import threading
 
 
 class ThroughputMeter:
-    def __init__(self, half_life_steps: float = 20.0, min_seconds: float = 1.0):
+    def __init__(self, half_life_steps: float = 20.0, min_seconds: float = 0.05):
         self._decay = 0.5 ** (1.0 / half_life_steps)
         self._min_seconds = min_seconds
         self._tokens = 0.0  # decayed sum of tokens computed
@@ -28,7 +28,8 @@ class ThroughputMeter:
             self._measured += seconds
 
     def tokens_per_s(self) -> float | None:
-        """None until ``min_seconds`` of steps have been measured."""
+        """None until ``min_seconds`` of steps have been measured (the engine's warm-up step
+        gives the first measurement before any request arrives)."""
         with self._lock:
             if self._measured < self._min_seconds or self._seconds <= 0:
                 return None

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kv_transfer.base import Route
 from prefill_server.errors import InvalidRequest
 
 
@@ -29,9 +30,7 @@ class PrefillRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams = SamplingParams()
-    push: bool = False  # connector mode: stream each layer into the decode's blocks (one step)
-    # connector mode: compute now, lease the KV; the decode registers afterwards and pulls it
-    pull_later: bool = False
+    route: Route = Route.LEASE  # how its KV leaves the engine (kv_transfer.base.Route)
     num_logprobs: int | None = None  # first token's logprobs: None = none, k = sampled + top k
     # KV room leased past the prompt, in tokens: a decode that continues from prompt + [first token]
     # allocates blocks for that position too, and a stock vLLM decode asserts that the prefill
@@ -59,3 +58,16 @@ class PrefillResult:
     timings: Timings = field(default_factory=Timings)
     # ((token id, logprob), ...): the sampled token first, then the top num_logprobs (vLLM's order)
     first_logprobs: tuple[tuple[int, float], ...] | None = None
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """A worker's load, for routing (``PrefillWorker.load``)."""
+
+    waiting: int  # requests queued
+    running: int  # requests being computed
+    pending_tokens: int  # prompt tokens still to compute (queued and the rest of the running)
+    free_blocks: int
+    total_blocks: int
+    block_size: int
+    tokens_per_s: float | None  # measured throughput (None until measured)

@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from prefill_server.engine.sampling import MAX_LOGPROBS, SAMPLING_EPS
+from prefill_server.engine.worker import MAX_LOGPROBS, SAMPLING_EPS
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stream",
            "stream_options", "n", "user", "ignore_eos", "skip_special_tokens",

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from prefill_server.engine.types import PrefillResult, SamplingParams
+from prefill_server.engine.worker import PrefillResult, Route, SamplingParams
 from prefill_server.errors import DecodeUnavailable, PrefillError, PromptTooLong
 from prefill_server.serving import first_token as ft
 from prefill_server.serving import openai_schema as schema
@@ -83,7 +83,7 @@ class _Call:
 class Gateway:
     def __init__(self, service: PrefillService, decode: DecodeClient | None, health: DecodeHealth | None = None):
         self.service, self.decode, self.health = service, decode, health
-        self.metrics = service.engine.metrics
+        self.metrics = service.metrics
 
     # ---- entry points ----
     async def completion(self, raw: dict) -> Answer | Stream:
@@ -129,7 +129,7 @@ class Gateway:
 
     def _plan(self, kind: str, raw: dict) -> ft.Plan | None:
         svc = self.service
-        if svc.first_token != "prefill" or svc.transfer_mode not in ("nixl-compat", "connector"):
+        if svc.first_token != "prefill" or self.decode is None:
             return None
         return ft.plan(kind, raw)
 
@@ -157,13 +157,12 @@ class Gateway:
         svc, t0 = self.service, time.monotonic()
         if self.health is not None:
             self.health.check()  # a decode known to be down: fail before computing anything
-        pull_later = svc.transfer_mode == "connector"  # computed first: the decode pulls
-        if pull_later and not (plan and svc.fits_whole(len(token_ids))):
-            return await self._run_push(path, out, token_ids, sampling, stream, t0, outcome)
-        # a decode continuing from prompt + [t1] allocates KV for t1's position too: lease room for it
-        room = 1 if plan and not pull_later else 0
+        backend = svc.backend
+        route = backend.route(plan is not None, svc.fits_whole(len(token_ids)))
+        if route is Route.STREAM:
+            return await self._run_stream(path, out, token_ids, sampling, stream, t0, outcome)
         result = await svc.prefill(token_ids, sampling, num_logprobs=plan.num_logprobs if plan else None,
-                                   pull_later=pull_later, room_tokens=room)
+                                   route=route, room_tokens=backend.room_tokens(route, plan is not None))
         if self.decode is None:  # transfer mode "local": answer with the first token only
             svc.release(result.request_id)
             return Answer(_local_answer(svc, path, result))
@@ -173,14 +172,16 @@ class Gateway:
         params = svc.params_for_prompt(result.kv_transfer_params, len(token_ids) + (1 if first else 0))
         if first:  # the decode continues from prompt + [t1] (serving/first_token.py)
             path, out = "/v1/completions", first.decode_body(token_ids, svc.info.served_name, params)
+        # LEASE_FOR_LATER: the decode's pull may be unnecessary (its own prefix cache): release after
         return await self._to_decode(_Call(path, out, result.request_id, params, len(token_ids), stream, t0,
-                                           outcome, first=first or None, release_after=pull_later))
+                                           outcome, first=first or None,
+                                           release_after=route is Route.LEASE_FOR_LATER))
 
-    async def _run_push(self, path: str, out: dict, token_ids: list[int], sampling: SamplingParams,
-                        stream: bool, t0: float, outcome: _Outcome) -> Answer | Stream:
-        """Connector mode: decode and prefill at once; the decode's connector registers its blocks
+    async def _run_stream(self, path: str, out: dict, token_ids: list[int], sampling: SamplingParams,
+                          stream: bool, t0: float, outcome: _Outcome) -> Answer | Stream:
+        """Route STREAM: decode and prefill at once; the decode's connector registers its blocks
         with the prefill, which WRITEs each layer as it is computed; the decode answers."""
-        rid, params, prefill = self.service.start_push(token_ids, sampling)
+        rid, params, prefill = self.service.start_stream(token_ids, sampling)
         prefill.add_done_callback(_consume)
         return await self._to_decode(_Call(path, out, rid, params, len(token_ids), stream, t0, outcome, prefill))
 

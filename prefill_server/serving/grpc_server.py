@@ -25,7 +25,6 @@ import ipaddress
 import json
 import logging
 import math
-import re
 import sys
 import time
 import uuid
@@ -38,7 +37,8 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from prefill_server.engine.types import PrefillResult, SamplingParams
+from kv_transfer.base import check_request_id
+from prefill_server.engine.worker import PrefillResult, SamplingParams
 from prefill_server.errors import InvalidRequest, PrefillError, PromptTooLong
 from prefill_server.serving.auth import ApiKeys
 from prefill_server.serving.pb import prefill_pb2 as pb
@@ -52,9 +52,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PrefillService"].full_name  # "pr
 MAX_MESSAGE_BYTES = 64 * 2**20  # a 1M-token prompt is ~5 MB of token ids; the gRPC default is 4 MB
 MODE_TO_PB = {"nixl-compat": pb.TRANSFER_MODE_NIXL_PULL, "connector": pb.TRANSFER_MODE_PUSH,
               "local": pb.TRANSFER_MODE_LOCAL}
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
-_POLL_S = 0.02  # PrefillStream progress polling (until the engine offers a progress hook)
+_POLL_S = 0.02  # PrefillStream: how often the worker's progress is read
 _GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: logits / 1e-30 overflow to inf and the softmax to NaN
 _TOP_P_MIN = 1e-6
 _MAX_DETAILS = 1000  # characters of error details (they may quote client input)
@@ -203,10 +202,10 @@ def _chat_messages(req: pb.PrefillRequest) -> list[dict]:
 class PrefillServicer(pb_grpc.PrefillServiceServicer):
     def __init__(self, service: PrefillService):
         self.service = service
-        self.mode = MODE_TO_PB[service.transfer_mode]
+        self.mode = MODE_TO_PB[service.backend.name]
 
     def count(self, outcome: str) -> None:
-        self.service.engine.metrics.requests.labels(outcome).inc()
+        self.service.metrics.requests.labels(outcome).inc()
 
     async def _prepare(self, req: pb.PrefillRequest) -> _Prepared:
         t0 = time.monotonic()
@@ -219,8 +218,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                                  "or TRANSFER_MODE_UNSPECIFIED", field="transfer_mode")
         if req.HasField("transfer_target") and req.transfer_mode != pb.TRANSFER_MODE_PUSH:
             raise InvalidRequest("only used with TRANSFER_MODE_PUSH; leave it unset", field="transfer_target")
-        if req.request_id and not _REQUEST_ID.fullmatch(req.request_id):
-            raise InvalidRequest("must be 1-128 characters of A-Z a-z 0-9 . _ -", field="request_id")
+        if req.request_id:
+            check_request_id(req.request_id)
         if req.HasField("add_special_tokens") and field != "text":
             raise InvalidRequest("only applies to text input", field="add_special_tokens")
         sampling = _sampling(req.sampling)
@@ -288,20 +287,21 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             await asyncio.sleep(0)  # let the task submit (bad input fails here, before any event)
             if task.done():
                 task.result()
-            snap = _snapshot(self.service, p.request_id)
-            ahead = snap[1] if snap and snap[0] == "queued" else 0
+            worker = self.service.worker
+            snap = worker.progress(p.request_id)
+            ahead = snap.requests_ahead if snap and snap.state == "queued" else 0
             yield event(queued=pb.Queued(prompt_tokens=total, requests_ahead=ahead))
             started, done_tokens = False, 0
             while not task.done():
                 await asyncio.wait({task}, timeout=_POLL_S)
-                snap = _snapshot(self.service, p.request_id)
-                if snap and snap[0] == "running":
+                snap = worker.progress(p.request_id)
+                if snap and snap.state == "running":
                     if not started:
                         started = True
                         yield event(started=pb.Started(prompt_tokens=total,
                                                        queue_seconds=time.monotonic() - p.t0))
-                    if snap[1] > done_tokens:
-                        done_tokens = snap[1]
+                    if snap.tokens_done > done_tokens:
+                        done_tokens = snap.tokens_done
                         yield event(progress=pb.Progress(tokens_done=done_tokens, prompt_tokens=total))
             result = task.result()
             if not started:
@@ -316,38 +316,20 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
 
     @_unary(pb.ReleaseRequest)
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
-        if not _REQUEST_ID.fullmatch(request.request_id):
-            raise InvalidRequest("must be the request_id of a Prefill call (1-128 characters of "
-                                 "A-Z a-z 0-9 . _ -)", field="request_id")
+        check_request_id(request.request_id)
         return pb.ReleaseResponse(released=self.service.release(request.request_id))
 
     @_unary(pb.GetServerInfoRequest)
     async def GetServerInfo(self, request: pb.GetServerInfoRequest, context) -> pb.ServerInfo:
-        i, pool = self.service.info, self.service.engine.pool
+        i, load = self.service.info, self.service.worker.load()
         return pb.ServerInfo(
             model=i.served_name, model_path=i.path, num_layers=i.num_layers, num_kv_heads=i.num_kv_heads,
             head_dim=i.head_dim, vocab_size=i.vocab_size, max_model_len=i.max_model_len,
             block_size=i.block_size, kv_layout=i.kv_layout, kv_dtype=i.dtype,
-            supported_transfer_modes=[self.mode], num_kv_blocks=pool.num_blocks,
-            num_free_kv_blocks=pool.num_free, server_version=_package_version(), api_version=API_VERSION,
+            supported_transfer_modes=[self.mode], num_kv_blocks=load.total_blocks,
+            num_free_kv_blocks=load.free_blocks, server_version=_package_version(), api_version=API_VERSION,
             versions={"torch": torch.__version__, "grpcio": grpc.__version__,
                       "protobuf": google.protobuf.__version__, "python": sys.version.split()[0]})
-
-
-def _snapshot(service: PrefillService, rid: str) -> tuple[str, int] | None:
-    """("queued", requests ahead) | ("running", tokens computed) | None (not in the engine).
-
-    Reads the scheduler under the engine's lock; to be replaced by an engine progress hook."""
-    engine = service.engine
-    with engine._lock:  # noqa: SLF001 - the scheduler lock; no public snapshot API yet
-        s = engine.scheduler
-        for i, seq in enumerate(s.waiting):
-            if seq.request_id == rid:
-                return "queued", i
-        for seq in s.running:
-            if seq.request_id == rid:
-                return "running", seq.num_computed
-    return None
 
 
 @functools.lru_cache(maxsize=1)

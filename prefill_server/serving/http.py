@@ -109,7 +109,7 @@ def create_app(service: PrefillService, decode: DecodeClient | None, api_keys: A
     if decode is not None and health is None:
         health = DecodeHealth(decode, decode_health_interval_s)
     gateway = Gateway(service, decode, health)
-    metrics = service.engine.metrics
+    metrics = service.metrics
     if health is not None:
         metrics.decode_up.set(1)
         health.subscribe(lambda up: metrics.decode_up.set(1 if up else 0))
@@ -176,14 +176,14 @@ def create_app(service: PrefillService, decode: DecodeClient | None, api_keys: A
     @app.get("/livez")
     async def livez():
         """Liveness: the process answers and its engine loop runs (restart it otherwise)."""
-        if not service.engine.alive():
+        if not service.worker.alive():
             return JSONResponse({"status": "dead", "reasons": ["the engine loop has stopped"]}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/health")
     async def ready():
         """Readiness: the engine loop runs, the model is loaded and the decode answers."""
-        reasons = [] if service.engine.alive() else ["the engine loop has stopped"]
+        reasons = [] if service.worker.alive() else ["the engine loop has stopped"]
         if drain is not None and drain.is_set():
             reasons.append("the server is shutting down")
         if health is not None and not health.up:
@@ -200,8 +200,7 @@ def create_app(service: PrefillService, decode: DecodeClient | None, api_keys: A
 
     @app.get("/metrics")
     async def prom():
-        service.engine.refresh_metrics()
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(service.worker.render_metrics(), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")
     async def completions(request: Request):

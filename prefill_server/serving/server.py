@@ -13,10 +13,9 @@ import uvicorn
 
 from kv_transfer.vllm import discovery
 from kv_transfer.vllm.discovery import DecodeFacts
+from prefill_server.backends import backend_for, first_token_mode
 from prefill_server.config import EngineConfig, ServerConfig
-from prefill_server.engine import build
-from prefill_server.engine.engine import Engine
-from prefill_server.engine.local_producer import LocalProducer
+from prefill_server.engine.worker import build_local_worker
 from prefill_server.serving.grpc_server import start_grpc
 from prefill_server.serving.http import create_app
 from prefill_server.serving.auth import ApiKeys, load_api_key
@@ -28,52 +27,22 @@ log = logging.getLogger(__name__)
 
 
 def build_service(ecfg: EngineConfig, scfg: ServerConfig, facts: DecodeFacts | None = None) -> PrefillService:
-    """The engine, its transfer producer and the serving core. ``facts``: the decode as already
-    discovered (else it is asked here, waiting up to ``scfg.decode_wait_s`` for it to come up)."""
-    if scfg.transfer_mode != "local" and facts is None:
+    """The worker (engine + the transfer mode's producer) and the serving core. ``facts``: the decode
+    as already discovered (else it is asked here, waiting up to ``scfg.decode_wait_s`` for it)."""
+    backend = backend_for(scfg)
+    if backend.needs_decode and facts is None:
         facts = discovery.wait_for(scfg.decode_url, scfg.decode_wait_s)
     ecfg = follow_decode(ecfg, facts)
-    m = build.load(ecfg)
-    block_size = ecfg.block_size or (facts.block_size if facts else None)
-    pool = build.make_pool(ecfg, m, block_size)
-    if scfg.transfer_mode == "connector":
-        from kv_transfer import wire
-        from kv_transfer.push import PushProducer
-
-        geometry = wire.Geometry(model_fingerprint=wire.fingerprint_of_dir(m.path),
-                                 num_layers=pool.num_layers, num_kv_heads=pool.num_kv_heads,
-                                 head_dim=pool.head_dim, block_size=pool.block_size,
-                                 dtype=str(pool.dtype).removeprefix("torch."))
-        transfer_timeout_s = scfg.transfer_timeout_for(ecfg.lease_ttl_s)
-        if transfer_timeout_s > ecfg.lease_ttl_s:
-            log.warning("--transfer-timeout %g s is longer than --lease-ttl %g s: the staging blocks of a "
-                        "WRITE stuck to a dead decode stay held that long", transfer_timeout_s, ecfg.lease_ttl_s)
-        producer = PushProducer(pool, geometry, wire.load_secret(secret_file=scfg.secret_file),
-                                host=scfg.side_channel_host, port=scfg.side_channel_port,
-                                register_timeout_s=scfg.register_timeout_s,
-                                transfer_timeout_s=transfer_timeout_s, lease_ttl_s=ecfg.lease_ttl_s)
-    elif facts is None:
-        producer = LocalProducer(pool, ecfg.lease_ttl_s)
-    else:
-        from kv_transfer.vllm.v0_32 import NixlCompatProducer, decode_info
-
-        producer = NixlCompatProducer(pool, decode_info(facts, attn_backend_name=scfg.decode_attn_backend),
-                                      host=scfg.side_channel_host, port=scfg.side_channel_port,
-                                      lease_ttl_s=ecfg.lease_ttl_s)
-    served = scfg.served_model_name or (facts.served_model_name if facts else m.path)
+    worker = build_local_worker(ecfg, backend, facts, side_channel_host=scfg.side_channel_host,
+                                side_channel_port=scfg.side_channel_port)
+    m = worker.loaded
     c = m.config
-    max_len, max_len_source = c.max_position_embeddings, "the model's context"
-    if facts is not None and facts.max_model_len is not None and facts.max_model_len < max_len:
-        max_len, max_len_source = facts.max_model_len, "the decode's --max-model-len"
-    if m.device.type == "cpu":
-        build.configure_cpu(ecfg, pool.block_size)
-    runner = build.make_runner(m, pool, ecfg.attention)
-    engine = Engine(runner, pool, producer, max_model_len=max_len, vocab_size=c.vocab_size,
-                    token_budget=ecfg.token_budget, max_num_seqs=ecfg.max_num_seqs,
-                    max_queue_wait_s=ecfg.max_queue_wait_s)
-    info = ModelInfo(served, m.path, c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size, max_len,
-                     str(m.dtype).removeprefix("torch."), pool.block_size, max_model_len_source=max_len_source)
-    return PrefillService(engine, m.tokenizer, info, scfg.transfer_mode, first_token=scfg.first_token_mode,
+    served = scfg.served_model_name or (facts.served_model_name if facts else m.path)
+    source = ("the decode's --max-model-len" if worker.max_model_len < c.max_position_embeddings
+              else "the model's context")
+    info = ModelInfo(served, m.path, c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size, worker.max_model_len,
+                     str(m.dtype).removeprefix("torch."), worker.block_size, max_model_len_source=source)
+    return PrefillService(worker, m.tokenizer, info, backend, first_token=first_token_mode(scfg, backend),
                           eos_token_ids=c.eos_token_ids)
 
 
@@ -120,7 +89,7 @@ def serve(ecfg: EngineConfig, scfg: ServerConfig) -> None:
     host, port = sock.getsockname()[:2]
 
     async def main() -> None:
-        decode = DecodeClient(scfg.decode_url, scfg.decode_timeout_s) if scfg.transfer_mode != "local" else None
+        decode = DecodeClient(scfg.decode_url, scfg.decode_timeout_s) if service.backend.needs_decode else None
         health = DecodeHealth(decode, scfg.decode_health_interval_s) if decode else None
         drain = asyncio.Event()
         app = create_app(service, decode, api_keys, max_body_bytes=scfg.max_body_bytes, health=health,
@@ -144,7 +113,7 @@ def serve(ecfg: EngineConfig, scfg: ServerConfig) -> None:
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig)
-        service.engine.start()
+        service.worker.start()
         try:
             if scfg.grpc_port is not None:
                 grpc_server = await start_grpc(service, scfg.host, scfg.grpc_port, api_keys=api_keys,
@@ -169,7 +138,7 @@ def serve(ecfg: EngineConfig, scfg: ServerConfig) -> None:
                 loop.remove_signal_handler(sig)
             if grpc_server:
                 await grpc_server.stop(5.0)  # in-flight calls end first; their KV is freed
-            service.engine.stop()
+            service.worker.stop()
             if decode:
                 await decode.close()
             log.info("stopped: engine, gRPC and decode client closed")

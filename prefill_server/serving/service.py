@@ -5,8 +5,8 @@ import asyncio
 import uuid
 from dataclasses import dataclass
 
-from prefill_server.engine.engine import Engine
-from prefill_server.engine.types import PrefillRequest, PrefillResult, SamplingParams
+from prefill_server.backends import TransferBackend
+from prefill_server.engine.worker import PrefillRequest, PrefillResult, PrefillWorker, Route, SamplingParams
 from prefill_server.errors import InvalidRequest, PromptTooLong, UnknownModel
 
 
@@ -26,11 +26,13 @@ class ModelInfo:
 
 
 class PrefillService:
-    def __init__(self, engine: Engine, tokenizer, info: ModelInfo, transfer_mode: str,
+    """worker: the prefill engine behind its interface; backend: the transfer mode."""
+
+    def __init__(self, worker: PrefillWorker, tokenizer, info: ModelInfo, backend: TransferBackend,
                  first_token: str = "prefill", eos_token_ids: tuple[int, ...] = ()):
-        self.engine, self.tokenizer, self.info = engine, tokenizer, info
-        self.transfer_mode = transfer_mode
-        self.first_token = first_token  # "prefill" | "decode" (config.ServerConfig.first_token)
+        self.worker, self.tokenizer, self.info, self.backend = worker, tokenizer, info, backend
+        self.metrics = worker.metrics
+        self.first_token = first_token  # "prefill" | "decode" (backends.first_token_mode)
         eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_token_ids = tuple(eos_token_ids) + ((eos,) if eos is not None and eos not in eos_token_ids else ())
 
@@ -75,44 +77,38 @@ class PrefillService:
 
     async def prefill(self, token_ids: list[int], sampling: SamplingParams = SamplingParams(),
                       request_id: str | None = None, num_logprobs: int | None = None,
-                      pull_later: bool = False, room_tokens: int = 0) -> PrefillResult:
-        """Prefill and publish the KV; cancelling the awaiting task frees everything at once.
-        num_logprobs: also return the first token's logprobs (sampled + top num_logprobs).
-        pull_later (connector mode): computed now, leased for a decode that registers afterwards
-        (asking pull) with the result's kv_transfer_params. room_tokens: KV positions leased past
-        the prompt, for a decode sent more tokens (``params_for_prompt``)."""
+                      route: Route = Route.LEASE, room_tokens: int = 0) -> PrefillResult:
+        """Prefill and hand the KV over (route LEASE or LEASE_FOR_LATER); cancelling the awaiting
+        task frees everything at once. num_logprobs: also return the first token's logprobs
+        (sampled + top num_logprobs). room_tokens: KV positions leased past the prompt, for a
+        decode sent more tokens (``params_for_prompt``)."""
         rid = request_id or f"pf-{uuid.uuid4().hex}"
-        fut = self.engine.submit(PrefillRequest(rid, tuple(token_ids), sampling, pull_later=pull_later,
+        fut = self.worker.submit(PrefillRequest(rid, tuple(token_ids), sampling, route=route,
                                                 num_logprobs=num_logprobs, room_tokens=room_tokens))
         try:
             return await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
             fut.cancel()
-            self.engine.abort(rid)
+            self.worker.release(rid)
             raise
 
-    def start_push(self, token_ids: list[int], sampling: SamplingParams = SamplingParams(),
-                   request_id: str | None = None) -> tuple[str, dict, asyncio.Future]:
-        """Connector mode: queue a streamed prefill; returns (request id, kv_transfer_params for
+    def start_stream(self, token_ids: list[int], sampling: SamplingParams = SamplingParams(),
+                     request_id: str | None = None) -> tuple[str, dict, asyncio.Future]:
+        """Route STREAM: queue a streamed prefill; returns (request id, kv_transfer_params for
         the decode, a future of the PrefillResult). Send the decode its request at once: the
         prefill starts when the decode's connector registers its blocks."""
         rid = request_id or f"pf-{uuid.uuid4().hex}"
-        fut, params = self.engine.submit_push(PrefillRequest(rid, tuple(token_ids), sampling, push=True))
+        fut, params = self.worker.start_stream(PrefillRequest(rid, tuple(token_ids), sampling, route=Route.STREAM))
         return rid, params, asyncio.wrap_future(fut)
 
     def params_for_prompt(self, params: dict, num_decode_tokens: int) -> dict:
         """A prefill's kv_transfer_params fitted to the prompt the decode is sent (its length in
         tokens): a stock vLLM decode reads exactly as many blocks as it allocates for it."""
-        if self.transfer_mode != "nixl-compat":
-            return params  # our connector takes the count of tokens to load from the params
-        from kv_transfer.vllm.v0_32 import params_for_prompt
-
-        return params_for_prompt(params, num_decode_tokens, self.info.block_size)
+        return self.backend.params_for_prompt(params, num_decode_tokens, self.info.block_size)
 
     def fits_whole(self, num_tokens: int) -> bool:
         """Whether the pool can hold a whole prompt's KV (what computing it before the decode needs)."""
-        pool = self.engine.pool
-        return pool.blocks_needed(num_tokens) <= pool.num_blocks
+        return self.worker.fits_whole(num_tokens)
 
     def release(self, request_id: str) -> bool:
-        return self.engine.abort(request_id)
+        return self.worker.release(request_id)

@@ -3,6 +3,7 @@ run). They run the two benchmark commands at reduced sizes on the Llama-3.1-8B s
 number regresses past a recorded guard, printing what they measured:
 
     python3 -m pytest -q -m gpu tests/bench/test_gpu_bench_smoke.py -s     # ~2-3 minutes on one H200
+    scripts/gpu/regression.sh      # the same, then the stream bench (the device call after CPU-side changes)
 
 Guards: the issue's bar where the measurement has a margin over it; where a bar is marginal or not
 met (dense 8K/32K at 1.14-1.24x of the burst floor, 64 x 8K throughput at 67-70%, docs/BENCHMARKS.md)

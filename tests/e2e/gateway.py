@@ -17,7 +17,7 @@ class GatewayThread:
         self._server: BackgroundServer | None = None
 
     def start(self) -> "GatewayThread":
-        self.service.engine.start()
+        self.service.worker.engine.start()
         decode = DecodeClient(self.decode_url) if self.decode_url else None
         self._server = BackgroundServer(create_app(self.service, decode)).start()
         self.url = self._server.url
@@ -26,11 +26,11 @@ class GatewayThread:
     def stop(self) -> None:
         if self._server:
             self._server.stop()
-        self.service.engine.stop()
+        self.service.worker.engine.stop()
 
     def wait_pool_empty(self, timeout_s: float = 20.0) -> int:
         """Blocks in use once the decode's notifications have come in (or the timeout passed)."""
-        pool = self.service.engine.pool
+        pool = self.service.worker.engine.pool
         deadline = time.monotonic() + timeout_s
         while pool.num_used and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from gateway import GatewayThread
-from kv_transfer.base import TransferState
+from kv_transfer.base import Route, TransferState
 from prompts import all_prompts, by_name
 from test_pipeline import BF16_DECODE_ARGS, MAX_TOKENS, ask, bf16_engine_options, check_bf16, report_dir
-from prefill_server.config import EngineConfig, ServerConfig
+from prefill_server.config import ConnectorConfig, EngineConfig, ServerConfig
 from prefill_server.connector_config import vllm_connector_config
 from prefill_server.local_vllm import VllmDecode, free_port
 from prefill_server.serving.server import build_service
@@ -74,9 +74,9 @@ def connector_gateway(decode: VllmDecode, secret_file: str, dtype: str, first_to
                       **engine_options) -> GatewayThread:
     opts = dict(token_budget=1024) | engine_options
     svc = build_service(EngineConfig(model=decode.model, dtype=dtype, block_size=0, kv_cache_gib=0.25, **opts),
-                        ServerConfig(transfer_mode="connector", decode_url=decode.url,
-                                     secret_file=secret_file, register_timeout_s=30, first_token=first_token))
-    assert svc.engine.pool.block_size == decode.block_size
+                        ServerConfig(transfer_mode="connector", decode_url=decode.url, first_token=first_token,
+                                     connector=ConnectorConfig(secret_file=secret_file, register_timeout_s=30)))
+    assert svc.worker.engine.pool.block_size == decode.block_size
     return GatewayThread(svc, decode.url).start()
 
 
@@ -109,7 +109,7 @@ def test_fp32_every_prompt_token_identical_and_nothing_left(connector_decode, ga
         if [t for t, _ in ours] != [t for t, _ in alone]:
             mismatches.append(p.name)
     assert mismatches == [], f"connector pipeline differs from vLLM alone for {mismatches}"
-    producer = gateway.service.engine.producer
+    producer = gateway.service.worker.engine.producer
     assert gateway.wait_pool_empty() == 0  # (finish() frees the staging a moment after the answer)
     assert producer.num_active == 0
     assert producer.stats().released_total >= len(all_prompts())  # really streamed, every time
@@ -125,7 +125,7 @@ def test_first_token_from_prefill_then_pull_token_identical(connector_decode, se
         model = connector_decode.served_model_name()
         ps = sorted(all_prompts(), key=lambda p: p.approx_tokens)
         chosen = [ps[0], next(p for p in ps if p.kind == "chat"), ps[len(ps) // 2], ps[-1]]
-        producer = gw.service.engine.producer
+        producer = gw.service.worker.engine.producer
         for p in chosen:
             alone = ask(connector_decode.url, p, model)
             assert [t for t, _ in ask(gw.url, p)] == [t for t, _ in alone], p.name
@@ -148,7 +148,7 @@ def test_first_token_from_prefill_then_pull_token_identical(connector_decode, se
 
 def test_layers_are_written_while_later_layers_compute(connector_decode, gateway):
     p = max(all_prompts(), key=lambda p: p.approx_tokens)
-    producer = gateway.service.engine.producer
+    producer = gateway.service.worker.engine.producer
     before = set(producer.last_layer_times)
     ask(gateway.url, p)
     deadline = time.monotonic() + 30  # the decode may answer a moment before finish() returns
@@ -165,8 +165,8 @@ def test_layers_are_written_while_later_layers_compute(connector_decode, gateway
 def test_negative_control_corrupted_stream_changes_output(connector_decode, gateway):
     p = next(p for p in all_prompts() if p.kind == "plain" and p.approx_tokens >= 150)
     alone = [t for t, _ in ask(connector_decode.url, p, connector_decode.served_model_name())]
-    producer = gateway.service.engine.producer
-    pool = gateway.service.engine.pool
+    producer = gateway.service.worker.engine.producer
+    pool = gateway.service.worker.engine.pool
     layer_done = producer.layer_done
 
     def corrupting(request_id, layer, src_pages, ready_event=None):
@@ -190,7 +190,7 @@ def test_bad_input_and_prefill_failure_fail_cleanly(connector_decode, gateway):
     assert r.status_code == 400
     # the prefill fails mid-request: the decode must fail that request (not hang, not answer from
     # garbage) and keep serving
-    engine = gateway.service.engine
+    engine = gateway.service.worker.engine
     run = engine.runner.run
 
     def failing(chunks):
@@ -254,9 +254,9 @@ def test_decode_abort_mid_transfer_frees_both_sides(connector_decode, gateway):
     from prefill_server.engine.types import PrefillRequest
 
     p = max(all_prompts(), key=lambda p: p.approx_tokens)
-    engine = gateway.service.engine
+    engine = gateway.service.worker.engine
     ids = gateway.service.encode_prompt(p.text)
-    fut, params = engine.submit_push(PrefillRequest("abort-me", tuple(ids), push=True))
+    fut, params = engine.start_stream(PrefillRequest("abort-me", tuple(ids), route=Route.STREAM))
     body = {"model": connector_decode.served_model_name(), "prompt": ids, "max_tokens": 4,
             "kv_transfer_params": params}
     with pytest.raises(httpx.TimeoutException):  # vLLM aborts the request when we hang up
@@ -304,7 +304,7 @@ def test_decode_killed_mid_transfer_frees_the_prefill_and_it_keeps_serving(decod
     with decode:
         decode.completion("Warm up.", max_tokens=2)
         gw = connector_gateway(decode, secret_file, "float32")
-        engine, producer = gw.service.engine, gw.service.engine.producer
+        engine, producer = gw.service.worker.engine, gw.service.worker.engine.producer
         held, go, rids = threading.Event(), threading.Event(), []
         layer_done = producer.layer_done
 

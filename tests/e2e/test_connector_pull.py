@@ -31,7 +31,7 @@ def test_pull_fallback_token_identical_and_nothing_left(pull_decode, gateway):
     ps = sorted(all_prompts(), key=lambda p: p.approx_tokens)
     picked = [ps[0], next(p for p in ps if p.kind == "chat"), ps[len(ps) // 2], ps[-1]]  # the last > budget
     model = pull_decode.served_model_name()
-    producer = gateway.service.engine.producer
+    producer = gateway.service.worker.engine.producer
     before = producer.stats()
     mismatches = []
     for p in picked:
@@ -47,7 +47,7 @@ def test_pull_fallback_token_identical_and_nothing_left(pull_decode, gateway):
 
 
 def test_pull_prefill_failure_fails_the_decode_request_cleanly(pull_decode, gateway):
-    engine = gateway.service.engine
+    engine = gateway.service.worker.engine
     run = engine.runner.run
 
     def failing(chunks):

@@ -49,7 +49,7 @@ def gateway(vllm_decode):
 
 
 def test_dtype_auto_is_the_decodes(vllm_decode, gateway):
-    assert str(gateway.service.engine.pool.dtype) == f"torch.{vllm_decode.dtype}" == "torch.float32"
+    assert str(gateway.service.worker.engine.pool.dtype) == f"torch.{vllm_decode.dtype}" == "torch.float32"
 
 
 def test_client_gone_mid_prefill_is_cancelled_and_never_forwarded(vllm_decode, gateway):

@@ -53,11 +53,11 @@ class PrefillServer:
     """The engine plus the gRPC server in a background event loop (as ``serve`` runs them)."""
 
     def __init__(self, service):
-        self.service, self.pool = service, service.engine.pool
+        self.service, self.pool = service, service.worker.engine.pool
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        service.engine.start()
+        service.worker.engine.start()
         self.grpc = asyncio.run_coroutine_threadsafe(start_grpc(service), self.loop).result(30)
         self.target = f"127.0.0.1:{self.grpc.port}"
 
@@ -69,7 +69,7 @@ class PrefillServer:
 
     def close(self) -> None:
         asyncio.run_coroutine_threadsafe(self.grpc.stop(0), self.loop).result(30)
-        self.service.engine.stop()
+        self.service.worker.engine.stop()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
 

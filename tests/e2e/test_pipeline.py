@@ -76,7 +76,7 @@ def pipeline(decode: VllmDecode, dtype: str, **engine_options) -> GatewayThread:
     opts = dict(token_budget=1024) | engine_options
     svc = build_service(EngineConfig(model=decode.model, dtype=dtype, block_size=0, kv_cache_gib=0.25, **opts),
                         ServerConfig(transfer_mode="nixl-compat", decode_url=decode.url))
-    assert svc.engine.pool.block_size == decode.block_size  # adopted from the decode
+    assert svc.worker.engine.pool.block_size == decode.block_size  # adopted from the decode
     return GatewayThread(svc, decode.url).start()
 
 
@@ -110,8 +110,8 @@ def test_negative_control_corrupted_kv_changes_output(vllm_decode, fp32_gateway)
     """If the decode did not really use our KV, zeroing it would change nothing."""
     p = next(p for p in all_prompts() if p.kind == "plain" and p.approx_tokens >= 150)
     alone = [t for t, _ in ask(vllm_decode.url, p, vllm_decode.served_model_name())]
-    producer = fp32_gateway.service.engine.producer
-    pool = fp32_gateway.service.engine.pool
+    producer = fp32_gateway.service.worker.engine.producer
+    pool = fp32_gateway.service.worker.engine.pool
     publish = producer.publish
 
     def corrupting_publish(request_id, block_ids, num_tokens, **kw):

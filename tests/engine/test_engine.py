@@ -120,3 +120,27 @@ def test_room_tokens_lease_blocks_past_the_prompt(loaded):
             eng.submit(PrefillRequest("over", tuple([5] * 64), room_tokens=1))
     finally:
         eng.stop()
+
+
+def test_warm_up_measures_throughput_and_returns_its_blocks(loaded):
+    cfg = EngineConfig(dtype="float32", num_kv_blocks=16, block_size=16, token_budget=64)
+    pool = build.make_pool(cfg, loaded)
+    eng = Engine(build.make_runner(loaded, pool), pool, LocalProducer(pool, 30), max_model_len=8192,
+                 vocab_size=loaded.config.vocab_size, token_budget=64, max_num_seqs=8, max_queue_wait_s=60)
+    assert eng.throughput.tokens_per_s() is None
+    assert eng.warm_up(512) > 0  # (capped at the token budget: 64 tokens)
+    assert eng.throughput.tokens_per_s() > 0 and pool.num_used == 0
+    assert eng.warm_up(0) is None
+
+
+def test_cpu_threads_are_halved_while_that_is_faster(monkeypatch):
+    """A busy core stalls a team that counts on it: fewer threads may be faster (choose_cpu_threads)."""
+    state = {"threads": 8}
+    monkeypatch.setattr(torch, "get_num_threads", lambda: state["threads"])
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: state.update(threads=n))
+    for seconds, expected in (({8: 4.0, 4: 2.0, 2: 3.0, 1: 1.0}, 4),  # stops at the first slower count
+                              ({8: 1.0, 4: 2.0, 2: 3.0, 1: 4.0}, 8),
+                              ({8: 4.0, 4: 3.0, 2: 2.0, 1: 1.0}, 1)):
+        state["threads"] = 8
+        assert build.choose_cpu_threads(lambda n: seconds[state["threads"]], 64) == expected
+        assert state["threads"] == expected

@@ -84,3 +84,13 @@ def ask(port: int, msg) -> wire.Message:
     finally:
         sock.close(linger=0)
         ctx.term()
+
+
+def wait_until(cond, timeout=5.0) -> bool:
+    """Poll ``cond`` until it holds (True) or ``timeout`` seconds pass (False)."""
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True

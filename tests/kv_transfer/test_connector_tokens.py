@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from kv_transfer import wire
-from kv_transfer.push import PARAMS_KEY
+from kv_transfer.wire import PARAMS_KEY
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 VLLM_PY = REPO / ".venv-vllm" / "bin" / "python"

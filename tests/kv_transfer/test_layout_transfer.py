@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from kv_transfer import wire
-from kv_transfer.push import PARAMS_KEY, PushProducer
+from kv_transfer.push import PushProducer
 from kv_transfer.receiver import PushReceiver
-from decode_side import ORDER, Views, ask, wait_done
+from kv_transfer.wire import PARAMS_KEY
+from decode_side import ORDER, Views, ask, wait_done, wait_until
 from prefill_server.engine.kv_pool import KVPool
 
 SECRET = b"layout-test-secret-0123"
@@ -70,7 +71,7 @@ def test_push_lands_in_every_layout(producer, name):
         blocks = [9, 2, 3, 4, 7]  # the decode's, in any order
         p = producer.expect(rid, T)[PARAMS_KEY]
         recv.register(p["host"], p["port"], rid, blocks, 0, T)
-        assert producer.wait_ready(rid, 20)
+        assert wait_until(lambda: producer.is_ready(rid), 20)
         for layer in range(L):
             producer.layer_done(rid, layer, pages)
         producer.finish(rid)
@@ -95,7 +96,7 @@ def test_pull_reads_into_every_layout(producer, name):
         blocks = [11, 0, 5, 6, 1]
         p = producer.expect(rid, T)[PARAMS_KEY]
         recv.register(p["host"], p["port"], rid, blocks, 0, T, mode="pull")
-        assert producer.wait_ready(rid, 20) and producer.wants_pull(rid)
+        assert wait_until(lambda: producer.is_ready(rid), 20) and producer.wants_pull(rid)
         producer.publish(rid, own, T)
         assert wait_done(recv, rid) == "done"
         check_landed(v, blocks, want, [2, 3, 4, 7, 8, 9, 10])
@@ -118,7 +119,7 @@ def test_bf16_pages_into_a_token_major_cache():
         want = expected(pool, lambda layer: [layer * pool.num_blocks + b for b in own])
         p = prod.expect("bf", T)[PARAMS_KEY]
         recv.register(p["host"], p["port"], "bf", [7, 6, 5, 4, 3], 0, T, mode="pull")
-        assert prod.wait_ready("bf", 20)
+        assert wait_until(lambda: prod.is_ready("bf"), 20)
         prod.publish("bf", own, T)
         assert wait_done(recv, "bf") == "done"
         check_landed(v, [7, 6, 5, 4, 3], want, [0, 1, 2, 8, 9, 10, 11])

@@ -3,6 +3,7 @@ what vLLM's NixlConnector does (load our metadata, READ the blocks, notify, hear
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import msgspec
 import numpy as np
@@ -11,9 +12,47 @@ import torch
 import zmq
 
 from kv_transfer.base import TransferState
-from kv_transfer.nixl import NixlAgent, block_descs, coalesce_runs
+from kv_transfer.nixl import NixlAgent
 from kv_transfer.vllm import v0_32
+from kv_transfer.vllm.nixl_compat import NixlCompatProducer
 from prefill_server.engine.kv_pool import KVPool
+
+
+# ---- the test's own descriptor helpers (the decode's side, as vLLM builds it) ----
+def coalesce_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
+    """[(first_block, count), ...] for the maximal runs of consecutive ids, in order."""
+    runs: list[tuple[int, int]] = []
+    for b in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((int(b), 1))
+    return runs
+
+
+def block_descs(base_addrs: Sequence[int], block_bytes: int, block_stride: int,
+                block_ids: Sequence[int], device_id: int = 0) -> np.ndarray:
+    """Nx3 uint64 descriptors (addr, len, dev) for block_ids in every region of base_addrs, one
+    descriptor per run of contiguous blocks when block_stride == block_bytes."""
+    if block_stride == block_bytes:
+        runs = coalesce_runs(block_ids)
+    else:
+        runs = [(int(b), 1) for b in block_ids]
+    rows = [(base + first * block_stride, count * block_bytes, device_id)
+            for base in base_addrs for first, count in runs]
+    return np.asarray(rows, dtype=np.uint64).reshape(-1, 3)
+
+
+def wait_notif(agent: NixlAgent, predicate, timeout_s: float) -> tuple[str, bytes]:
+    """Poll until a notification satisfies predicate(agent, msg); others are dropped."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for name, msg in agent.get_notifs():
+            if predicate(name, msg):
+                return name, msg
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"no matching NIXL notification within {timeout_s} s")
+        time.sleep(0.001)
 
 
 def test_coalesce_runs_and_descs():
@@ -48,7 +87,7 @@ def test_read_between_two_agents_with_notification():
         remote = block_descs([src.data_ptr()], row, row, [2, 3])
         assert b.transfer("READ", local, remote, peer, notif=b"done:1", timeout_s=10) == 2 * row
         assert torch.equal(dst[:2], src[2:]) and not dst[2:].any()
-        agent, msg = a.wait_notif(lambda ag, m: m == b"done:1", timeout_s=10)
+        agent, msg = wait_notif(a, lambda ag, m: m == b"done:1", timeout_s=10)
         assert agent == "wrap-dst"
 
 
@@ -98,7 +137,7 @@ def test_producer_serves_a_fake_vllm_decode():
     pool = KVPool(3, 12, 2, 16, 8, torch.float32)
     info = v0_32.DecodeInfo(url="http://d", vllm_version="0.32.0", model="/m", served_model_name="m",
                             attn_backend_name="CPU_ATTN", block_size=16)
-    with v0_32.NixlCompatProducer(pool, info, expiry_interval_s=0.05) as prod:
+    with NixlCompatProducer(pool, info, expiry_interval_s=0.05) as prod:
         decode = FakeVllmDecode("fake-decode", pool)
         try:
             blocks = pool.allocate(3)

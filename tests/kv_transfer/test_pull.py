@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kv_transfer import wire
-from kv_transfer.base import TransferState
-from kv_transfer.push import PARAMS_KEY
+from kv_transfer.base import Route, TransferState
+from kv_transfer.wire import PARAMS_KEY
 from kv_transfer.receiver import PushReceiver
 from prefill_server.engine.types import PrefillRequest
 from prefill_server.errors import TransferError
@@ -37,7 +37,7 @@ class PullSetup(Setup):
 
     def run_pull(self, rid, ids, block_ids, receiver=None):
         receiver = receiver or self.receiver
-        fut, params = self.engine.submit_push(PrefillRequest(rid, tuple(ids), push=True))
+        fut, params = self.engine.start_stream(PrefillRequest(rid, tuple(ids), route=Route.STREAM))
         p = params[PARAMS_KEY]
         receiver.register(p["host"], p["port"], rid, block_ids, 0, len(ids), mode="pull")
         return fut

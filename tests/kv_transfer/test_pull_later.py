@@ -1,4 +1,4 @@
-"""Connector mode, computed first (``PrefillRequest.pull_later``): the engine computes a prompt with
+"""Connector mode, computed first (route LEASE_FOR_LATER): the engine computes a prompt with
 no decode in sight and leases its KV; the decode (a ``PushReceiver``, as our vLLM connector uses
 it) registers afterwards, asking pull for the prefill's ``num_tokens``, and READs the lease over
 NIXL/UCX on DRAM. Also: what such a lease refuses, and how it ends when nobody reads it."""
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kv_transfer import wire
-from kv_transfer.base import TransferState
-from kv_transfer.push import PARAMS_KEY
+from kv_transfer.base import Route, TransferState
+from kv_transfer.wire import PARAMS_KEY
 from prefill_server.engine.types import PrefillRequest
 from prefill_server.errors import InvalidRequest
 from decode_side import ask
@@ -29,8 +29,8 @@ def loaded():
 
 
 def compute_first(s: PullSetup, rid: str, ids: list[int]):
-    """Submit a pull_later request; its result (computed and leased: nobody registered)."""
-    return s.engine.submit(PrefillRequest(rid, tuple(ids), pull_later=True)).result(timeout=120)
+    """Submit a LEASE_FOR_LATER request; its result (computed and leased: nobody registered)."""
+    return s.engine.submit(PrefillRequest(rid, tuple(ids), route=Route.LEASE_FOR_LATER)).result(timeout=120)
 
 
 def signed_register(s: PullSetup, rid: str, num_tokens: int, mode: str) -> wire.Register:
@@ -72,12 +72,12 @@ def test_computed_first_then_a_pull_register_reads_the_lease_and_frees_it(loaded
         s.close()
 
 
-def test_only_connector_requests_and_pull_later_ones_are_taken(setup_default):
+def test_only_the_connector_routes_are_taken(setup_default):
     s = setup_default
-    with pytest.raises(InvalidRequest, match="connector mode"):  # a plain request still is not
+    with pytest.raises(InvalidRequest, match="connector mode"):  # a plain LEASE request still is not
         s.engine.submit(PrefillRequest("plain", (1, 2, 3)))
-    with pytest.raises(InvalidRequest, match="pull_later"):
-        s.engine.submit(PrefillRequest("both", (1, 2, 3), push=True, pull_later=True))
+    with pytest.raises(InvalidRequest, match="stream-then-pull"):  # the engine's own turn, never asked for
+        s.engine.submit(PrefillRequest("both", (1, 2, 3), route=Route.STREAM_THEN_PULL))
 
 
 def test_a_push_or_wrong_length_register_is_refused_and_the_lease_expires(loaded):

@@ -12,16 +12,17 @@ import torch
 import zmq
 
 from kv_transfer import wire
-from kv_transfer.base import TransferState
-from kv_transfer.push import PARAMS_KEY, PushProducer
+from kv_transfer.base import Route, TransferState
+from kv_transfer.push import PushProducer
 from kv_transfer.receiver import PushReceiver
+from kv_transfer.wire import PARAMS_KEY
 from prefill_server.config import EngineConfig
 from prefill_server.engine import build
 from prefill_server.engine.engine import Engine
 from prefill_server.engine.types import PrefillRequest
 from prefill_server.errors import PromptTooLong, RequestCancelled, TransferError
 from prefill_server.models.reference_attention import CausalAttention
-from decode_side import wait_done
+from decode_side import wait_done, wait_until
 
 SECRET = b"test-secret-0123456789"
 BS = 16
@@ -46,7 +47,7 @@ class Setup:
         self.producer = PushProducer(self.pool, geometry(loaded), SECRET, register_timeout_s=register_timeout_s,
                                      transfer_timeout_s=transfer_timeout_s)
         c = loaded.config
-        self.engine = Engine(build.make_runner(loaded, self.pool), self.pool, self.producer,
+        self.engine = Engine(build.make_runner(loaded, self.pool, stream_to=self.producer), self.pool, self.producer,
                              max_model_len=c.max_position_embeddings, vocab_size=c.vocab_size,
                              token_budget=4096, max_num_seqs=8, max_queue_wait_s=60)
         self.engine.start()
@@ -60,7 +61,7 @@ class Setup:
 
     def run(self, rid, ids, block_ids, first_token=0, receiver=None):
         receiver = receiver or self.receiver
-        fut, params = self.engine.submit_push(PrefillRequest(rid, tuple(ids), push=True))
+        fut, params = self.engine.start_stream(PrefillRequest(rid, tuple(ids), route=Route.STREAM))
         p = params[PARAMS_KEY]
         receiver.register(p["host"], p["port"], rid, block_ids, first_token, len(ids))
         return fut
@@ -177,7 +178,7 @@ def test_a_peer_without_the_secret_is_refused(setup, loaded):
 
 def test_replayed_register_is_refused(setup, loaded):
     ids = loaded.tokenizer.encode("Replay.")
-    setup.engine.submit_push(PrefillRequest("rp", tuple(ids), push=True))
+    setup.engine.start_stream(PrefillRequest("rp", tuple(ids), route=Route.STREAM))
     reg = wire.Register(version=wire.PROTOCOL_VERSION, request_id="rp", engine_id="e", agent_name="e",
                         agent_metadata=b"",
                         geometry=geometry(loaded), mem_type="DRAM", device_id=0, layer_addrs=[0],
@@ -220,7 +221,7 @@ def test_incompatible_geometry_is_refused_with_what_differs(setup, loaded):
 def test_no_decode_registers_fails_cleanly(loaded):
     s = Setup(loaded, register_timeout_s=0.5)
     try:
-        fut, _ = s.engine.submit_push(PrefillRequest("lonely", (1, 2, 3), push=True))
+        fut, _ = s.engine.start_stream(PrefillRequest("lonely", (1, 2, 3), route=Route.STREAM))
         with pytest.raises(TransferError, match="no decode registered"):
             fut.result(timeout=30)
         assert s.pool.num_used == 0 and s.producer.num_active == 0
@@ -281,7 +282,7 @@ def test_decode_killed_mid_transfer_frees_the_prefill_blocks(loaded):
     try:
         ids = loaded.tokenizer.encode("The decode dies while this streams. " * 40)
         held, go, _ = hold_at_layer(s.producer, 2)
-        fut, params = s.engine.submit_push(PrefillRequest("dead", tuple(ids), push=True))
+        fut, params = s.engine.start_stream(PrefillRequest("dead", tuple(ids), route=Route.STREAM))
         p = params[PARAMS_KEY]
         arg = {"geometry": msgspec.to_builtins(geometry(loaded)), "secret": SECRET.decode(),
                "host": p["host"], "port": p["port"], "request_id": "dead", "num_tokens": len(ids),
@@ -311,12 +312,6 @@ def test_decode_killed_mid_transfer_frees_the_prefill_blocks(loaded):
         s.close()
 
 
-def test_push_producer_is_a_streaming_producer(setup):
-    from kv_transfer.base import StreamingKVProducer
-
-    assert isinstance(setup.producer, StreamingKVProducer)
-
-
 # ---- posting off the caller's thread (the producer driven directly, no engine forward) ----
 class GatedEvent:
     """Stands in for a layer's CUDA event: ``synchronize`` blocks until ``go`` is set (the GPU still
@@ -337,7 +332,7 @@ def _registered(setup, rid, n=64):
     p = setup.producer.expect(rid, n)[PARAMS_KEY]
     blocks = list(range(-(-n // BS)))
     setup.receiver.register(p["host"], p["port"], rid, blocks, 0, n)
-    assert setup.producer.wait_ready(rid, 20)
+    assert wait_until(lambda: setup.producer.is_ready(rid), 20)
     return blocks, [10 + b for b in blocks]  # flat pool pages (layer 0's region) holding the K/V
 
 
@@ -410,22 +405,6 @@ def test_a_failure_while_posting_surfaces_in_wait_layer_and_finish(setup, loaded
     setup.producer.abort("pf1")  # what the engine does after a failed finish
     assert setup.producer.num_active == 0
 
-
-def test_synchronous_posting_still_works(loaded):
-    s = Setup(loaded)
-    try:
-        s.producer.async_post = False
-        ids = loaded.tokenizer.encode("Posted on the forward's thread. " * 20)
-        blocks = list(range(-(-len(ids) // BS)))
-        fut = s.run("sy1", ids, blocks)
-        assert s.wait("sy1") == "done"
-        fut.result(timeout=60)
-        _, attn = reference_kv(loaded, ids)
-        k, v = received(s.caches, 0, blocks, len(ids))
-        torch.testing.assert_close(k, attn.keys[0], rtol=1e-4, atol=1e-4)
-        assert s.pool.num_used == 0 and s.producer.num_active == 0
-    finally:
-        s.close()
 
 
 def test_a_posted_layer_reaches_the_decode_without_being_waited_for(setup, loaded):

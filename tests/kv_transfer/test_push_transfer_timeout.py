@@ -19,7 +19,7 @@ from kv_transfer.receiver import REPROBE_S
 from kv_transfer.base import TransferState
 from kv_transfer.vllm.discovery import DecodeFacts
 from prefill_server.cli import main
-from prefill_server.config import EngineConfig, ServerConfig
+from prefill_server.config import ConnectorConfig, EngineConfig, ServerConfig
 from prefill_server.errors import RequestCancelled, TransferError
 from test_push import BS, Setup, _registered, hold_at_layer, loaded  # noqa: F401 - (loaded: a fixture)
 
@@ -163,12 +163,12 @@ def test_stop_ends_an_abort_whose_write_never_completes(stuck):
 
 # ---- the setting ----
 def test_transfer_timeout_setting_defaults_to_the_lease_and_rejects_nonsense(capsys):
-    assert ServerConfig().transfer_timeout_for(EngineConfig().lease_ttl_s) == 30.0
-    assert ServerConfig().transfer_timeout_for(12.0) == 12.0  # never longer than the lease by default
-    assert ServerConfig(transfer_timeout_s=45.0).transfer_timeout_for(12.0) == 45.0  # set: as given
+    assert ConnectorConfig().transfer_timeout_for(EngineConfig().lease_ttl_s) == 30.0
+    assert ConnectorConfig().transfer_timeout_for(12.0) == 12.0  # never longer than the lease by default
+    assert ConnectorConfig(transfer_timeout_s=45.0).transfer_timeout_for(12.0) == 45.0  # set: as given
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="--transfer-timeout must be a positive number"):
-            ServerConfig(transfer_timeout_s=bad).validate()
+            ServerConfig(connector=ConnectorConfig(transfer_timeout_s=bad)).validate()
     for bad in ("0", "-5"):
         assert main(["serve", "--transfer-mode", "local", "--transfer-timeout", bad]) == 2
         assert "error: --transfer-timeout must be a positive number of seconds" in capsys.readouterr().err
@@ -185,8 +185,8 @@ def test_serve_passes_the_transfer_timeout_to_the_producer(monkeypatch):
     ecfg = EngineConfig(dtype="float32", num_kv_blocks=8, lease_ttl_s=20.0)
     for scfg, expected in ((ServerConfig(transfer_mode="connector", decode_url="http://x"), 20.0),
                            (ServerConfig(transfer_mode="connector", decode_url="http://x",
-                                         transfer_timeout_s=7.5), 7.5)):
-        producer = server.build_service(ecfg, scfg, facts).engine.producer
+                                         connector=ConnectorConfig(transfer_timeout_s=7.5)), 7.5)):
+        producer = server.build_service(ecfg, scfg, facts).worker.engine.producer
         assert producer.transfer_timeout_s == expected
         assert producer.pull.lease_ttl_s == 20.0
 

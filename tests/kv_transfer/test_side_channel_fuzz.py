@@ -13,6 +13,7 @@ import msgspec
 import zmq
 
 from kv_transfer import wire
+from kv_transfer.base import Route
 from prefill_server.engine.types import PrefillRequest
 from test_push import SECRET, loaded, setup  # noqa: F401 - (loaded, setup: fixtures)
 
@@ -141,7 +142,7 @@ def malformed(reg: wire.Register, rng: random.Random) -> list[tuple[str, bytes]]
 def test_the_side_channel_refuses_every_bad_message_and_keeps_the_waiting_request(setup, loaded):
     s, rng = setup, random.Random(SEED)
     ids = loaded.tokenizer.encode("A request that waits for its decode while strangers knock. " * 4)
-    fut, _ = s.engine.submit_push(PrefillRequest("victim", tuple(ids), push=True))
+    fut, _ = s.engine.start_stream(PrefillRequest("victim", tuple(ids), route=Route.STREAM))
     reg = s.receiver.register_message("victim", list(range(-(-len(ids) // 16))), 0, len(ids))
     ch = Channel(s.producer.port)
     try:

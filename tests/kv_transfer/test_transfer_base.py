@@ -5,8 +5,9 @@ import threading
 
 import pytest
 
-from kv_transfer.base import KVProducer, StatsCounter, StreamingKVProducer, TransferMode, TransferState
-from kv_transfer.vllm.v0_32 import NixlCompatProducer
+from kv_transfer.base import Route, StatsCounter, TransferState, check_request_id
+from prefill_server.errors import InvalidRequest
+from kv_transfer.vllm.nixl_compat import NixlCompatProducer
 
 
 def test_terminal_states():
@@ -30,7 +31,15 @@ def test_stats_counter_is_thread_safe():
 
 
 def test_producer_contract():
-    with pytest.raises(TypeError):
-        KVProducer()  # abstract
-    assert issubclass(NixlCompatProducer, KVProducer) and NixlCompatProducer.mode is TransferMode.PULL
-    assert not isinstance(object(), StreamingKVProducer)
+    """Each producer says which routes it serves; the one request-id rule."""
+    from kv_transfer.push import PushProducer
+    from prefill_server.engine.local_producer import LocalProducer
+
+    assert NixlCompatProducer.routes == LocalProducer.routes == {Route.LEASE}
+    assert PushProducer.routes == {Route.STREAM, Route.LEASE_FOR_LATER}
+    assert Route.STREAM.registers and Route.STREAM_THEN_PULL.registers and not Route.LEASE_FOR_LATER.registers
+    for ok in ("pf-0123", "a" * 200, "___prefill_addr_10.0.0.1:8000___decode_addr_h:1_abc", "cmpl-x.y_z"):
+        check_request_id(ok)
+    for bad in ("", "a" * 201, "HB:x", "a,b", "a b", "é", 42, None):
+        with pytest.raises(InvalidRequest, match="request id"):
+            check_request_id(bad)

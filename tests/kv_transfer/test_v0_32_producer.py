@@ -11,8 +11,10 @@ import pytest
 import torch
 import zmq
 
+from decode_side import wait_until
 from kv_transfer.base import TransferState
 from kv_transfer.vllm import v0_32
+from kv_transfer.vllm.nixl_compat import NixlCompatProducer
 from prefill_server.engine.kv_pool import KVPool
 from prefill_server.errors import DecodeUnavailable, InvalidRequest
 
@@ -32,7 +34,7 @@ def pool():
 
 @pytest.fixture()
 def producer(pool):
-    p = v0_32.NixlCompatProducer(pool, decode_info(), lease_ttl_s=30.0, expiry_interval_s=0.05)
+    p = NixlCompatProducer(pool, decode_info(), lease_ttl_s=30.0, expiry_interval_s=0.05)
     p.start()
     yield p
     p.stop()
@@ -41,15 +43,6 @@ def producer(pool):
 def publish(producer, pool, rid, n_tokens=20):
     blocks = pool.allocate(pool.blocks_needed(n_tokens))
     return blocks, producer.publish(rid, blocks, n_tokens)
-
-
-def wait_until(cond, timeout=5.0):
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def test_params_look_like_a_vllm_prefills(producer, pool):
@@ -123,7 +116,7 @@ def test_malformed_and_late_notifications_are_ignored(producer, pool):
 
 
 def test_heartbeat_extends_and_expiry_frees(pool):
-    p = v0_32.NixlCompatProducer(pool, decode_info(), lease_ttl_s=0.4, expiry_interval_s=3600)
+    p = NixlCompatProducer(pool, decode_info(), lease_ttl_s=0.4, expiry_interval_s=3600)
     with p:
         publish(p, pool, "hb")
         publish(p, pool, "no-hb")
@@ -141,14 +134,14 @@ def test_heartbeat_extends_and_expiry_frees(pool):
 
 
 def test_background_expiry(pool):
-    with v0_32.NixlCompatProducer(pool, decode_info(), lease_ttl_s=0.1, expiry_interval_s=0.02) as p:
+    with NixlCompatProducer(pool, decode_info(), lease_ttl_s=0.1, expiry_interval_s=0.02) as p:
         publish(p, pool, "bg")
         assert wait_until(lambda: pool.num_used == 0)
         assert p.state("bg") is TransferState.EXPIRED
 
 
 def test_abort_and_stop_free_everything(pool):
-    p = v0_32.NixlCompatProducer(pool, decode_info())
+    p = NixlCompatProducer(pool, decode_info())
     p.start()
     publish(p, pool, "a")
     publish(p, pool, "b")
@@ -180,20 +173,20 @@ def test_publish_validation(producer, pool):
 
 def test_refuses_incompatible_pairings(pool):
     with pytest.raises(InvalidRequest, match="vLLM 0.31.0"):
-        v0_32.NixlCompatProducer(pool, decode_info(vllm_version="0.31.0"))
+        NixlCompatProducer(pool, decode_info(vllm_version="0.31.0"))
     with pytest.raises(InvalidRequest, match="must divide"):
-        v0_32.NixlCompatProducer(pool, decode_info(block_size=24))
+        NixlCompatProducer(pool, decode_info(block_size=24))
     with pytest.raises(InvalidRequest, match="dtype"):
-        v0_32.NixlCompatProducer(pool, decode_info(dtype="torch.bfloat16"))
+        NixlCompatProducer(pool, decode_info(dtype="torch.bfloat16"))
     with pytest.raises(ValueError, match="CPU_ATTN"):
-        v0_32.NixlCompatProducer(pool, decode_info(), advertised_backend="CPU_ATTN")
+        NixlCompatProducer(pool, decode_info(), advertised_backend="CPU_ATTN")
     with pytest.raises(RuntimeError, match="before start"):
-        v0_32.NixlCompatProducer(pool, decode_info()).publish("x", [0], 1)
+        NixlCompatProducer(pool, decode_info()).publish("x", [0], 1)
 
 
 def test_decodes_with_different_hashes_get_their_own_port(pool):
     a, b = decode_info(url="http://a"), decode_info(url="http://b", model="/other/path")
-    with v0_32.NixlCompatProducer(pool, [a, b, decode_info(url="http://c")]) as p:
+    with NixlCompatProducer(pool, [a, b, decode_info(url="http://c")]) as p:
         assert len(p.side_channel_ports) == 2
         pa = p.publish("x", pool.allocate(1), 5, decode_url="http://a")
         pb = p.publish("y", pool.allocate(1), 5, decode_url="http://b/")

@@ -141,7 +141,10 @@ def test_cli_prints_the_connector_config(capsys):
 def test_descriptors_coalesce_runs_contiguous_on_both_sides():
     import numpy as np
 
-    from kv_transfer.push import coalesced_descs
+    from kv_transfer import layout
+
+    def coalesced_descs(src, dst, page_bytes, src_dev, dst_dev):  # whole pages: one chunk each
+        return layout.descs(src, dst, np.array([[0, 0, page_bytes]], dtype=np.int64), src_dev, dst_dev)
 
     pb = 100
     src = np.array([0, 100, 200, 500, 600, 700], dtype=np.int64)

@@ -10,6 +10,6 @@ def local_service():
     svc = build_service(EngineConfig(dtype="float32", num_kv_blocks=64, block_size=16, token_budget=256,
                                      max_queue_wait_s=2.0, lease_ttl_s=30.0),
                         ServerConfig(transfer_mode="local"))
-    svc.engine.start()
+    svc.worker.engine.start()
     yield svc
-    svc.engine.stop()
+    svc.worker.engine.stop()

@@ -9,10 +9,12 @@ import time
 import torch
 from torch import nn
 
+from prefill_server.backends import LocalBackend
 from prefill_server.engine.engine import Engine
 from prefill_server.engine.kv_pool import KVPool
 from prefill_server.engine.local_producer import LocalProducer
 from prefill_server.engine.runner import ModelRunner
+from prefill_server.engine.worker import LocalWorker
 from prefill_server.layers.attention import dense_attention
 from prefill_server.serving.grpc_server import start_grpc
 from prefill_server.serving.service import ModelInfo, PrefillService
@@ -85,7 +87,7 @@ def make_service(*, num_blocks=24, block_size=8, token_budget=64, max_queue_wait
                     max_queue_wait_s=max_queue_wait_s)
     info = ModelInfo("tiny", "/models/tiny", len(model.qkv), model.kv_heads, model.head_dim, VOCAB,
                      max_model_len, "float32", block_size)
-    return PrefillService(engine, ByteTokenizer(), info, "local")
+    return PrefillService(LocalWorker(engine), ByteTokenizer(), info, LocalBackend())
 
 
 class GrpcHarness:
@@ -94,12 +96,12 @@ class GrpcHarness:
     def __init__(self, service: PrefillService | None = None, own_engine: bool = True, **grpc_kwargs):
         self.service = service or make_service()
         self.own_engine = own_engine
-        self.model = self.service.engine.runner.model
+        self.model = self.service.worker.engine.runner.model
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="grpc-loop", daemon=True)
         self._thread.start()
         if own_engine:
-            self.service.engine.start()
+            self.service.worker.engine.start()
         self.server = self.run(start_grpc(self.service, "127.0.0.1", 0, **grpc_kwargs))
         self.target = f"127.0.0.1:{self.server.port}"
 
@@ -108,7 +110,7 @@ class GrpcHarness:
 
     @property
     def pool(self) -> KVPool:
-        return self.service.engine.pool
+        return self.service.worker.engine.pool
 
     def wait_pool_empty(self, timeout=5.0) -> int:
         """Blocks in use once the pool has drained (or the timeout passed)."""
@@ -120,7 +122,7 @@ class GrpcHarness:
     def close(self) -> None:
         self.run(self.server.stop(0))
         if self.own_engine:
-            self.service.engine.stop()
+            self.service.worker.engine.stop()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
         self.loop.close()

@@ -172,13 +172,17 @@ def test_prefill_returns_first_token_logprobs(local_service):
 
 
 def test_first_token_mode_defaults_per_transfer_mode():
+    from prefill_server.backends import backend_for, first_token_mode
     from prefill_server.config import ServerConfig
 
     url = "http://127.0.0.1:1"
-    assert ServerConfig(transfer_mode="nixl-compat", decode_url=url).first_token_mode == "prefill"
-    assert ServerConfig(transfer_mode="connector", decode_url=url).first_token_mode == "decode"  # keeps push
+
+    def mode_of(scfg):
+        return first_token_mode(scfg, backend_for(scfg))
+    assert mode_of(ServerConfig(transfer_mode="nixl-compat", decode_url=url)) == "prefill"
+    assert mode_of(ServerConfig(transfer_mode="connector", decode_url=url)) == "decode"  # keeps push
     for mode in ("prefill", "decode"):
-        assert ServerConfig(transfer_mode="connector", decode_url=url, first_token=mode).first_token_mode == mode
+        assert mode_of(ServerConfig(transfer_mode="connector", decode_url=url, first_token=mode)) == mode
     with pytest.raises(ValueError, match="--first-token"):
         ServerConfig(transfer_mode="nixl-compat", decode_url=url, first_token="maybe").validate()
 

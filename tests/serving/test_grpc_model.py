@@ -17,7 +17,7 @@ def grpc_client(local_service):
             yield c
     finally:
         h.close()
-    assert local_service.engine.pool.num_used == 0
+    assert local_service.worker.engine.pool.num_used == 0
 
 
 def test_text_and_chat_match_the_http_gateway(grpc_client, local_service):

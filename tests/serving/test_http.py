@@ -19,7 +19,7 @@ def free_port():
 def client(local_service):
     with TestClient(create_app(local_service, None)) as c:
         yield c
-    assert local_service.engine.pool.num_used == 0
+    assert local_service.worker.engine.pool.num_used == 0
 
 
 def test_completion_and_chat_return_first_token(client, local_service):
@@ -79,14 +79,14 @@ def test_bad_chat_input_gets_400(client, raw, needle):
 
 
 def test_prompt_larger_than_pool_is_refused(client, local_service):
-    pool = local_service.engine.pool
+    pool = local_service.worker.engine.pool
     n = pool.num_blocks * pool.block_size + 1  # fits the context (8192) but never the pool
     r = client.post("/v1/completions", json={"prompt": [1] * n})
     assert r.status_code == 400 and "shorter prompt" in r.json()["error"]["message"]
 
 
 def prefills(service) -> float:
-    return sum(s.value for m in service.engine.metrics.prefills.collect() for s in m.samples
+    return sum(s.value for m in service.worker.engine.metrics.prefills.collect() for s in m.samples
                if s.name.endswith("_total"))
 
 
@@ -109,7 +109,7 @@ def test_unreachable_decode_gives_502_then_fails_fast_until_it_is_back(local_ser
         assert ready.status_code == 503 and url in ready.json()["reasons"][0]
         assert c.get("/livez").status_code == 200
         assert 'prefill_server:decode_up 0.0' in c.get("/metrics").text
-    assert local_service.engine.pool.num_used == 0
+    assert local_service.worker.engine.pool.num_used == 0
 
 
 def test_api_key(local_service):

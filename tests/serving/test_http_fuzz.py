@@ -196,7 +196,7 @@ def cases(draw, base: st.SearchStrategy[dict], own: list[tuple]):
 
 @pytest.fixture(scope="module")
 def server(local_service):
-    info, pool = local_service.info, local_service.engine.pool
+    info, pool = local_service.info, local_service.worker.engine.pool
     assert (info.vocab_size, info.max_model_len, pool.num_blocks * pool.block_size) == (VOCAB, CONTEXT, POOL_TOKENS)
     sock = bind("127.0.0.1", 0)
     srv = uvicorn.Server(uvicorn.Config(create_app(local_service, None), log_level="warning", access_log=False))
@@ -261,14 +261,14 @@ def check_case(http, pool, path: str, raw: bytes, needles: list[str], what) -> N
 @given(case=cases(valid_completion(), PROMPT))
 def test_completions_fuzz(http, local_service, case):
     raw, needles, muts = case
-    check_case(http, local_service.engine.pool, "/v1/completions", raw, needles, (raw[:300], muts))
+    check_case(http, local_service.worker.engine.pool, "/v1/completions", raw, needles, (raw[:300], muts))
 
 
 @fuzz_settings(300)
 @given(case=cases(valid_chat(), CHAT))
 def test_chat_fuzz(http, local_service, case):
     raw, needles, muts = case
-    check_case(http, local_service.engine.pool, "/v1/chat/completions", raw, needles, (raw[:300], muts))
+    check_case(http, local_service.worker.engine.pool, "/v1/chat/completions", raw, needles, (raw[:300], muts))
 
 
 GOOD = b'{"prompt": "Hello", "max_tokens": 1}'
@@ -298,7 +298,7 @@ def test_malformed_bodies_fuzz(http, local_service, path, case):
     r = send(http, "POST", path, raw, ctype)
     message = check_error(r, (path, raw[:300], ctype))
     assert needle.lower() in message.lower(), (needle, message, raw[:300])
-    assert local_service.engine.pool.num_used == 0
+    assert local_service.worker.engine.pool.num_used == 0
 
 
 GETS = {"/health", "/v1/models", "/metrics"}
@@ -358,11 +358,11 @@ def test_concurrent_good_and_bad(http, local_service):
             check_answer(r, path, body)
         else:
             check_error(r, body)
-    assert local_service.engine.pool.num_used == 0
+    assert local_service.worker.engine.pool.num_used == 0
 
 
 def test_still_serving_after_the_fuzzing(http, local_service):
-    engine = local_service.engine
+    engine = local_service.worker.engine
     assert engine._thread.is_alive()
     assert engine.pool.num_used == 0 and engine.pool.num_leases == 0
     r = send(http, "POST", "/v1/completions", to_json({"prompt": "The capital of France is", "temperature": 0}))

