@@ -216,10 +216,11 @@ class LeaseProducer(Protocol):
     def stop(self) -> None:
         """Stop serving, release every lease still held, deregister memory. Idempotent."""
 
-    def publish(self, request_id: str, block_ids: Sequence[int], num_tokens: int) -> dict[str, Any]:
+    def publish(self, request_id: str, block_ids: Sequence[int], num_tokens: int, *,
+                decode_url: str | None = None) -> dict[str, Any]:
         """Hand the blocks holding ``num_tokens`` tokens of KV (and any room the engine left past
         them) over to the producer, under a lease, and return the ``kv_transfer_params`` the
-        decode request must carry. ``block_ids[t // block_size]`` holds token t. Raises
+        decode request must carry (the decode at ``decode_url``: the producer's first if None). ``block_ids[t // block_size]`` holds token t. Raises
         ``ValueError`` (``InvalidRequest``) on bad input, in which case nothing was leased and the
         caller still owns the blocks."""
 

@@ -29,9 +29,15 @@ class TransferBackend(ABC):
     auto_first_token: ClassVar[str] = "decode"
 
     @abstractmethod
-    def make_producer(self, pool: KVPages, model_path: str, facts: DecodeFacts | None, host: str, port: int,
+    def make_producer(self, pool: KVPages, model_path: str, fleet: tuple[DecodeFacts, ...], host: str, port: int,
                       lease_ttl_s: float) -> Producer:
-        """The producer that hands this mode's KV over (its side channel on host:port)."""
+        """The producer that hands this mode's KV over to the decodes of ``fleet`` (its side
+        channel on host:port)."""
+
+    def decode_group(self, facts: DecodeFacts) -> str:
+        """Decodes of one group can take each other's requests with the same kv_transfer_params
+        (a request that could not reach one is retried on another of its group)."""
+        return ""
 
     @abstractmethod
     def route(self, first_token_ours: bool, fits_whole: bool) -> Route:
@@ -65,12 +71,17 @@ class NixlCompatBackend(TransferBackend):
     def __init__(self, config: NixlCompatConfig):
         self.config = config
 
-    def make_producer(self, pool, model_path, facts, host, port, lease_ttl_s):
+    def make_producer(self, pool, model_path, fleet, host, port, lease_ttl_s):
         from kv_transfer.vllm.nixl_compat import NixlCompatProducer
         from kv_transfer.vllm.v0_32 import decode_info
 
-        return NixlCompatProducer(pool, decode_info(facts, attn_backend_name=self.config.decode_attn_backend),
-                                  host=host, port=port, lease_ttl_s=lease_ttl_s)
+        infos = [decode_info(f, attn_backend_name=self.config.decode_attn_backend) for f in fleet]
+        return NixlCompatProducer(pool, infos, host=host, port=port, lease_ttl_s=lease_ttl_s)
+
+    def decode_group(self, facts):
+        # what vLLM's compatibility hash covers: decodes that differ get their own side channel
+        return "|".join(str(x) for x in (facts.vllm_version, facts.model, self.config.decode_attn_backend
+                                         or facts.attn_backend_name, facts.cache_dtype))
 
     def route(self, first_token_ours, fits_whole):
         return Route.LEASE
@@ -99,7 +110,7 @@ class ConnectorBackend(TransferBackend):
     def __init__(self, config: ConnectorConfig):
         self.config = config
 
-    def make_producer(self, pool, model_path, facts, host, port, lease_ttl_s):
+    def make_producer(self, pool, model_path, fleet, host, port, lease_ttl_s):
         from kv_transfer import wire
         from kv_transfer.push import PushProducer
 
@@ -136,7 +147,7 @@ class LocalBackend(TransferBackend):
     def __init__(self, config: Any = None):
         self.config = config
 
-    def make_producer(self, pool, model_path, facts, host, port, lease_ttl_s):
+    def make_producer(self, pool, model_path, fleet, host, port, lease_ttl_s):
         from prefill_server.engine.local_producer import LocalProducer
 
         return LocalProducer(pool, lease_ttl_s)

@@ -89,7 +89,9 @@ class ConnectorConfig:
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    decode_url: str | None = None  # e.g. http://127.0.0.1:8100
+    # the decodes, e.g. ("http://127.0.0.1:8100",); requests go to the healthy one with the fewest
+    # outstanding (serving/decodes.py)
+    decode_urls: tuple[str, ...] = ()
     transfer_mode: str = "nixl-compat"  # a key of prefill_server.backends.BACKENDS
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 0  # 0 = pick a free port
@@ -122,8 +124,15 @@ class ServerConfig:
                              f"not {self.first_token!r}")
         self.nixl_compat.validate()
         self.connector.validate()
-        if self.transfer_mode != "local" and not self.decode_url:
+        if self.transfer_mode != "local" and not self.decode_urls:
             raise ValueError(f"--transfer-mode {self.transfer_mode} needs --decode-url")
+        seen: set[str] = set()
+        for url in self.decode_urls:
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                raise ValueError(f"--decode-url must be an http:// or https:// URL, not {url!r}")
+            if url.rstrip("/") in seen:
+                raise ValueError(f"--decode-url {url} is given twice: list each decode once")
+            seen.add(url.rstrip("/"))
         if not (0 <= self.port < 65536 and 0 <= self.side_channel_port < 65536):
             raise ValueError("ports must be in 0..65535")
         if self.grpc_port is not None and not 0 <= self.grpc_port < 65536:

@@ -61,6 +61,11 @@ class DecodeUnavailable(PrefillError):
     grpc_code = "UNAVAILABLE"
 
 
+class DecodeNotReached(DecodeUnavailable):
+    """The connection to the decode failed: the request never reached it (another decode may
+    take it with the same KV)."""
+
+
 class DecodeDown(DecodeUnavailable):
     """The decode is known to be down (its health check fails): refused before any prefill."""
 

@@ -41,7 +41,9 @@ class Metrics:
         self.prefills = Counter(p + "prefills_total", "Engine prefills finished, by outcome: ok (KV "
                                 "published or streamed) or the error's class", ["outcome"], registry=r)
         self.decode_up = Gauge(p + "decode_up", "1 while the decode answers its health check (gateway)",
-                               registry=r)
+                               ["decode"], registry=r)
+        self.decode_outstanding = Gauge(p + "decode_requests_outstanding", "Requests sent to the decode and "
+                                        "not finished (gateway)", ["decode"], registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

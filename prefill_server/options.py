@@ -51,6 +51,7 @@ class Option:
     choices: tuple[str, ...] | None = None
     flag_only: bool = False  # a boolean switch (store_true)
     metavar: str | None = None
+    repeats: bool = False  # given once per value (a tuple); a list in the config file
 
     @property
     def key(self) -> str:
@@ -115,8 +116,11 @@ OPTIONS: tuple[Option, ...] = (
     _opt("--max-body-bytes", "network", "server.max_body_bytes", "HTTP request bodies larger than this get 413",
          type=int),
     # decode and transfer
-    _opt("--decode-url", "decode", "server.decode_url",
-         "base URL of the decode instance (vLLM OpenAI server), e.g. http://127.0.0.1:8100"),
+    _opt("--decode-url", "decode", "server.decode_urls", "base URL of a decode instance (vLLM OpenAI server), "
+         "e.g. http://127.0.0.1:8100. Repeat it for several decodes (a list in the config file): each request "
+         "goes to the healthy decode with the fewest outstanding requests; one that fails its health check "
+         "gets none until it answers again. All must serve the same model with the same block size and "
+         "dtype", repeats=True, metavar="URL"),
     _opt("--transfer-mode", "decode", "server.transfer_mode", "nixl-compat: act as a stock vLLM NixlConnector "
          "producer (decode pulls); connector: our own vLLM connector, kv_transfer.vllm.connector (streaming "
          "push, authenticated; see vllm-config); local: no decode, answer with the first token and hold KV "
@@ -206,8 +210,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         shown = "auto" if d is None and o.type is seconds_or_auto else d
         help_ = o.help if shown is None or o.flag_only else f"{o.help} (default: {shown})"
         kw: dict[str, Any] = {"dest": o.target, "default": argparse.SUPPRESS, "help": help_}
+        if o.repeats:
+            kw["help"] = o.help
         if o.flag_only:
             kw["action"] = "store_true"
+        elif o.repeats:
+            kw.update(action="append", metavar=o.metavar or o.key.upper())
         else:
             kw.update(type=o.type or str, metavar=o.metavar or (None if o.choices else o.key.upper()))
             if o.choices:
@@ -266,6 +274,10 @@ def _nearest(word: str, candidates) -> str:
 def _convert(o: Option, value: Any, where: str) -> Any:
     if value is None:
         return None
+    if o.repeats:  # one value or a list of them
+        items = value if isinstance(value, list) else [value]
+        single = dataclasses.replace(o, repeats=False)
+        return tuple(_convert(single, v, f"{where}[{i}]") for i, v in enumerate(items))
     try:
         if o.flag_only:
             if not isinstance(value, bool):
@@ -284,8 +296,12 @@ def _convert(o: Option, value: Any, where: str) -> Any:
 def settings_from(args: argparse.Namespace) -> Settings:
     """Defaults < the --config file < the flags given. Validated (ValueError says what to change)."""
     values = load_file(args.config) if getattr(args, "config", None) else {}
-    values |= {o.target: getattr(args, o.target) for o in OPTIONS if hasattr(args, o.target)}
+    values |= {o.target: _from_flag(o, getattr(args, o.target)) for o in OPTIONS if hasattr(args, o.target)}
     return build(values)
+
+
+def _from_flag(o: Option, value: Any) -> Any:
+    return tuple(value) if o.repeats else value
 
 
 def build(values: dict[str, Any]) -> Settings:
@@ -311,7 +327,7 @@ def dump(settings: Settings, fmt: str = "yaml") -> str:
     data: dict[str, dict[str, Any]] = {g: {} for g in GROUPS}
     for o in OPTIONS:
         value = None if o.target in SECRET_TARGETS else _get(settings, o.target)
-        data[o.group][o.key] = value
+        data[o.group][o.key] = list(value) if o.repeats else value
     if fmt == "yaml":
         import yaml
 

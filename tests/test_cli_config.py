@@ -83,3 +83,20 @@ def test_the_api_key_is_never_dumped(capsys):
     assert main(["config", "dump", "--transfer-mode", "local", "--api-key", "s3cret-key"]) == 0
     out = capsys.readouterr()
     assert "s3cret-key" not in out.out and "api_key_file" in out.err
+
+
+def test_decode_url_repeats_on_the_command_line_and_is_a_list_in_the_file(tmp_path, capsys):
+    s = parse(["--decode-url", "http://a:1", "--decode-url", "http://b:2"])
+    assert s.server.decode_urls == ("http://a:1", "http://b:2")
+    f = tmp_path / "c.yaml"
+    f.write_text("decode:\n  decode_url: [http://a:1, http://b:2]\n")
+    assert parse(["--config", str(f)]).server.decode_urls == ("http://a:1", "http://b:2")
+    f.write_text("decode:\n  decode_url: http://a:1\n")  # one may be given without a list
+    assert parse(["--config", str(f)]).server.decode_urls == ("http://a:1",)
+    assert main(["config", "dump", "--decode-url", "http://a:1", "--decode-url", "http://b:2"]) == 0
+    f.write_text(capsys.readouterr().out)
+    assert parse(["--config", str(f)]).server.decode_urls == ("http://a:1", "http://b:2")
+    for argv, needle in ((["--decode-url", "http://a:1", "--decode-url", "http://a:1/"], "given twice"),
+                         (["--decode-url", "a:1"], "http:// or https://")):
+        with pytest.raises(ValueError, match=needle):
+            parse(argv)

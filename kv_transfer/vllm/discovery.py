@@ -115,3 +115,29 @@ def wait_for(url: str, wait_s: float, *, retry_every_s: float = 2.0, timeout_s: 
             if attempt > 1:
                 log.info("decode %s answered after %d attempts", url, attempt)
             return facts
+
+
+def wait_for_all(urls: tuple[str, ...], wait_s: float) -> tuple[DecodeFacts, ...]:
+    """``wait_for`` each decode, all at once (each waits up to ``wait_s``), then ``check_fleet``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(16, len(urls)) or 1) as ex:
+        fleet = tuple(ex.map(lambda u: wait_for(u, wait_s), urls))
+    check_fleet(fleet)
+    return fleet
+
+
+def check_fleet(fleet: tuple[DecodeFacts, ...]) -> None:
+    """Decodes served by one prefill must take the same KV: the same model, block size and dtype
+    (where they say). Raises ``ValueError`` naming the decode that differs and how."""
+    if not fleet:
+        return
+    first = fleet[0]
+    for d in fleet[1:]:
+        for what, a, b in (("model", first.model, d.model), ("block size", first.block_size, d.block_size),
+                           ("dtype", first.dtype, d.dtype), ("served model name", first.served_model_name,
+                                                             d.served_model_name)):
+            if a is not None and b is not None and a != b:
+                raise ValueError(f"the decodes differ in {what}: {first.url} has {a}, {d.url} has {b}; every "
+                                 "--decode-url of one prefill server must serve the same model with the same "
+                                 "--block-size and --dtype (run one prefill server per kind of decode)")

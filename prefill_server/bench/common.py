@@ -68,7 +68,7 @@ class DropProducer(LeaseProducer):
 
     def stop(self) -> None: ...
 
-    def publish(self, request_id: str, block_ids: list[int], num_tokens: int) -> dict:
+    def publish(self, request_id: str, block_ids: list[int], num_tokens: int, *, decode_url: str | None = None) -> dict:
         self.pool.free(block_ids)
         return {}
 

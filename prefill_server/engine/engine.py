@@ -376,7 +376,8 @@ class Engine:
         return params
 
     def _finish_lease(self, seq: Sequence) -> dict:
-        params = self.producer.publish(seq.request_id, seq.block_ids, seq.num_tokens)
+        params = self.producer.publish(seq.request_id, seq.block_ids, seq.num_tokens,
+                                       decode_url=seq.request.decode_url)
         seq.block_ids = []
         return params
 

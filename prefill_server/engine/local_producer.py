@@ -30,7 +30,7 @@ class LocalProducer(LeaseProducer):
         while not self._stop.wait(0.5):
             self.pool.expire()
 
-    def publish(self, request_id: str, block_ids: list[int], num_tokens: int) -> dict:
+    def publish(self, request_id: str, block_ids: list[int], num_tokens: int, *, decode_url: str | None = None) -> dict:
         self.pool.lease(request_id, block_ids, self.lease_ttl_s, num_tokens)
         return {"transfer_mode": "local", "request_id": request_id, "num_tokens": num_tokens,
                 "block_ids": list(block_ids)}

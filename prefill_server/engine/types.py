@@ -36,6 +36,9 @@ class PrefillRequest:
     # allocates blocks for that position too, and a stock vLLM decode asserts that the prefill
     # offers as many blocks as it allocated (it computes the position's KV itself)
     room_tokens: int = 0
+    # route LEASE: the decode that will read the KV (its side channel and compatibility hash are
+    # in the params); None = the producer's only (or first) decode
+    decode_url: str | None = None
 
 
 @dataclass

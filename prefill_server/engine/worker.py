@@ -3,7 +3,8 @@ call of a prefill engine, and ``LocalWorker``, the engine in this process behind
 (a Ray actor) implements the same calls; nothing outside the engine touches its internals.
 
     submit(req)        LEASE / LEASE_FOR_LATER: a future of the PrefillResult (KV leased)
-    start_stream(req)  STREAM: (future of the result, kv_transfer_params for the decode at once)
+    start_stream(req)  STREAM: (future of the kv_transfer_params for the decode, at once; future of
+                       the result, once every layer was written)
     release(rid)       cancel a queued or running request, or end a finished one's lease
     progress(rid)      where a request is: queued (how many ahead) or running (tokens done)
     load()             what routing needs: queued and running requests and tokens, free blocks
@@ -47,7 +48,7 @@ class PrefillWorker(Protocol):
     def start(self) -> None: ...
     def stop(self) -> None: ...
     def submit(self, req: PrefillRequest) -> Future: ...
-    def start_stream(self, req: PrefillRequest) -> tuple[Future, dict]: ...
+    def start_stream(self, req: PrefillRequest) -> tuple[Future, Future]: ...
     def release(self, request_id: str) -> bool: ...
     def progress(self, request_id: str) -> Progress | None: ...
     def load(self) -> WorkerLoad: ...
@@ -74,8 +75,11 @@ class LocalWorker(PrefillWorker):
     def submit(self, req: PrefillRequest) -> Future:
         return self.engine.submit(req)
 
-    def start_stream(self, req: PrefillRequest) -> tuple[Future, dict]:
-        return self.engine.start_stream(req)
+    def start_stream(self, req: PrefillRequest) -> tuple[Future, Future]:
+        result, params = self.engine.start_stream(req)
+        known: Future = Future()
+        known.set_result(params)
+        return known, result
 
     def release(self, request_id: str) -> bool:
         return self.engine.abort(request_id)
@@ -102,19 +106,20 @@ class LocalWorker(PrefillWorker):
         return self.metrics.render()
 
 
-def build_local_worker(ecfg: EngineConfig, backend, facts: DecodeFacts | None, *, side_channel_host: str,
+def build_local_worker(ecfg: EngineConfig, backend, fleet: tuple[DecodeFacts, ...], *, side_channel_host: str,
                        side_channel_port: int) -> LocalWorker:
     """Load the model, size the pool, make the backend's producer, build and warm the engine. The
-    context enforced is the smaller of the model's and the decode's (``facts``)."""
+    context enforced is the smallest of the model's and the decodes' (``fleet``)."""
     m = build.load(ecfg)
-    pool = build.make_pool(ecfg, m, ecfg.block_size or (facts.block_size if facts else None))
-    producer = backend.make_producer(pool, m.path, facts, side_channel_host, side_channel_port, ecfg.lease_ttl_s)
+    decode_block = next((f.block_size for f in fleet if f.block_size), None)
+    pool = build.make_pool(ecfg, m, ecfg.block_size or decode_block)
+    producer = backend.make_producer(pool, m.path, fleet, side_channel_host, side_channel_port, ecfg.lease_ttl_s)
     if m.device.type == "cpu":
         build.configure_cpu(ecfg, pool.block_size)
     stream_to = producer if Route.STREAM in producer.routes else None
     runner = build.make_runner(m, pool, ecfg.attention, stream_to=stream_to)
     c = m.config
-    max_model_len = min(c.max_position_embeddings, (facts.max_model_len if facts else None) or c.max_position_embeddings)
+    max_model_len = min([c.max_position_embeddings, *(f.max_model_len for f in fleet if f.max_model_len)])
     engine = Engine(runner, pool, producer, max_model_len=max_model_len,
                     vocab_size=c.vocab_size, token_budget=ecfg.token_budget, max_num_seqs=ecfg.max_num_seqs,
                     max_queue_wait_s=ecfg.max_queue_wait_s)

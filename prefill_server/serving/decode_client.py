@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import httpx
 
-from prefill_server.errors import DecodeUnavailable
+from prefill_server.errors import DecodeNotReached, DecodeUnavailable
 
 
 class DecodeClient:
@@ -16,8 +16,10 @@ class DecodeClient:
         await self._client.aclose()
 
     def _unreachable(self, path: str, e: Exception) -> DecodeUnavailable:
-        return DecodeUnavailable(f"the decode at {self.base_url}{path} could not be reached "
-                                 f"({type(e).__name__}: {e}); check --decode-url and that the decode is up")
+        # a failed connect sent nothing: the request may go to another decode with the same KV
+        cls = DecodeNotReached if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)) else DecodeUnavailable
+        return cls(f"the decode at {self.base_url}{path} could not be reached ({type(e).__name__}: {e}); "
+                   "check --decode-url and that the decode is up")
 
     async def post(self, path: str, body: dict) -> httpx.Response:
         try:

@@ -25,11 +25,10 @@ from dataclasses import dataclass
 import httpx
 
 from prefill_server.engine.worker import PrefillResult, Route, SamplingParams
-from prefill_server.errors import DecodeUnavailable, PrefillError, PromptTooLong
+from prefill_server.errors import DecodeNotReached, DecodeUnavailable, PrefillError, PromptTooLong
 from prefill_server.serving import first_token as ft
 from prefill_server.serving import openai_schema as schema
-from prefill_server.serving.decode_client import DecodeClient
-from prefill_server.serving.decode_health import DecodeHealth
+from prefill_server.serving.decodes import Assignment, DecodeSet
 from prefill_server.serving.service import PrefillService
 
 log = logging.getLogger(__name__)
@@ -75,14 +74,15 @@ class _Call:
     stream: bool
     t0: float
     outcome: _Outcome
+    decode: Assignment
     prefill: asyncio.Future | None = None  # connector push: the prefill running beside the decode
     first: ft.FirstToken | None = None
     release_after: bool = False
 
 
 class Gateway:
-    def __init__(self, service: PrefillService, decode: DecodeClient | None, health: DecodeHealth | None = None):
-        self.service, self.decode, self.health = service, decode, health
+    def __init__(self, service: PrefillService, decodes: DecodeSet | None):
+        self.service, self.decodes = service, decodes  # decodes None: transfer mode "local"
         self.metrics = service.metrics
 
     # ---- entry points ----
@@ -129,7 +129,7 @@ class Gateway:
 
     def _plan(self, kind: str, raw: dict) -> ft.Plan | None:
         svc = self.service
-        if svc.first_token != "prefill" or self.decode is None:
+        if svc.first_token != "prefill" or self.decodes is None:
             return None
         return ft.plan(kind, raw)
 
@@ -155,17 +155,30 @@ class Gateway:
     async def _run(self, path: str, out: dict, token_ids: list[int], sampling: SamplingParams, stream: bool,
                    plan: ft.Plan | None, outcome: _Outcome) -> Answer | Stream:
         svc, t0 = self.service, time.monotonic()
-        if self.health is not None:
-            self.health.check()  # a decode known to be down: fail before computing anything
-        backend = svc.backend
-        route = backend.route(plan is not None, svc.fits_whole(len(token_ids)))
-        if route is Route.STREAM:
-            return await self._run_stream(path, out, token_ids, sampling, stream, t0, outcome)
-        result = await svc.prefill(token_ids, sampling, num_logprobs=plan.num_logprobs if plan else None,
-                                   route=route, room_tokens=backend.room_tokens(route, plan is not None))
-        if self.decode is None:  # transfer mode "local": answer with the first token only
+        if self.decodes is None:  # transfer mode "local": answer with the first token only
+            result = await svc.prefill(token_ids, sampling)
             svc.release(result.request_id)
             return Answer(_local_answer(svc, path, result))
+        # the decode first: none up fails before computing anything, and a pull-mode KV is
+        # published for the decode that will read it
+        decode = self.decodes.assign()
+        try:
+            return await self._prefill_then_decode(path, out, token_ids, sampling, stream, plan, outcome,
+                                                   decode, t0)
+        except BaseException:
+            decode.end()  # (idempotent: the request may have ended it, or moved to another decode)
+            raise
+
+    async def _prefill_then_decode(self, path: str, out: dict, token_ids: list[int], sampling: SamplingParams,
+                                   stream: bool, plan: ft.Plan | None, outcome: _Outcome, decode: Assignment,
+                                   t0: float) -> Answer | Stream:
+        svc, backend = self.service, self.service.backend
+        route = backend.route(plan is not None, svc.fits_whole(len(token_ids)))
+        if route is Route.STREAM:
+            return await self._run_stream(path, out, token_ids, sampling, stream, t0, outcome, decode)
+        result = await svc.prefill(token_ids, sampling, num_logprobs=plan.num_logprobs if plan else None,
+                                   route=route, room_tokens=backend.room_tokens(route, plan is not None),
+                                   decode_url=decode.decode.url)
         first = plan and ft.first_token(plan, svc.tokenizer, svc.eos_token_ids, token_ids,
                                         result.first_token_id, result.first_logprobs, svc.info.max_model_len)
         self.metrics.first_token.labels("prefill" if first else "decode").inc()
@@ -174,16 +187,36 @@ class Gateway:
             path, out = "/v1/completions", first.decode_body(token_ids, svc.info.served_name, params)
         # LEASE_FOR_LATER: the decode's pull may be unnecessary (its own prefix cache): release after
         return await self._to_decode(_Call(path, out, result.request_id, params, len(token_ids), stream, t0,
-                                           outcome, first=first or None,
+                                           outcome, decode, first=first or None,
                                            release_after=route is Route.LEASE_FOR_LATER))
 
     async def _run_stream(self, path: str, out: dict, token_ids: list[int], sampling: SamplingParams,
-                          stream: bool, t0: float, outcome: _Outcome) -> Answer | Stream:
+                          stream: bool, t0: float, outcome: _Outcome, decode: Assignment) -> Answer | Stream:
         """Route STREAM: decode and prefill at once; the decode's connector registers its blocks
         with the prefill, which WRITEs each layer as it is computed; the decode answers."""
-        rid, params, prefill = self.service.start_stream(token_ids, sampling)
+        rid, params, prefill = await self.service.start_stream(token_ids, sampling)
         prefill.add_done_callback(_consume)
-        return await self._to_decode(_Call(path, out, rid, params, len(token_ids), stream, t0, outcome, prefill))
+        return await self._to_decode(_Call(path, out, rid, params, len(token_ids), stream, t0, outcome, decode,
+                                           prefill))
+
+    async def _send(self, c: _Call):
+        """Post (or open the stream of) ``c`` to its decode. A decode that was not reached is marked
+        down and the request goes to another of its group (nothing reached the first one, and the
+        same kv_transfer_params work there); a decode that answered is never sent it again."""
+        tried = [c.decode.decode]
+        while True:
+            client = c.decode.decode.client
+            try:
+                if c.stream:
+                    return await client.open_stream(c.path, c.body)
+                return await client.post(c.path, c.body)
+            except DecodeNotReached as e:
+                nxt = self.decodes.reassign(c.decode, e.message, tried)
+                if nxt is None:
+                    raise
+                log.warning("request %s: %s; sending it to %s", c.request_id, e.message, nxt.decode.url)
+                c.decode = nxt
+                tried.append(nxt.decode)
 
     async def _to_decode(self, c: _Call) -> Answer | Stream:
         """Send the request to the decode with kv_transfer_params and relay its answer. Whenever
@@ -192,22 +225,25 @@ class Gateway:
         c.body["kv_transfer_params"] = c.params
         c.body.setdefault("model", svc.info.served_name)
         try:
-            if c.stream:
-                resp = await self.decode.open_stream(c.path, c.body)
-                if resp.status_code >= 400:
-                    content = await resp.aread()
-                    await resp.aclose()
-                    svc.release(c.request_id)
-                    return Answer(content, resp.status_code)
+            resp = await self._send(c)
+            if not c.stream:
+                c.decode.end()  # the whole answer is in
+            elif resp.status_code >= 400:
+                content = await resp.aread()
+                await resp.aclose()
+                svc.release(c.request_id)
+                c.decode.end()
+                return Answer(content, resp.status_code)
+            else:
                 events = self._relay(resp, c)
                 first = await events.__anext__()  # started: its cleanup runs however the stream ends
                 return Stream(_chain(first, events))
-            resp = await self.decode.post(c.path, c.body)
         except BaseException as e:  # unreachable decode, client gone (a started relay has cleaned up)
             svc.release(c.request_id)
             self.metrics.kv_failed.inc()
-            if isinstance(e, DecodeUnavailable) and self.health is not None:
-                self.health.report_unreachable(e.message)
+            if isinstance(e, DecodeUnavailable) and not isinstance(e, DecodeNotReached):
+                self.decodes.report_unreachable(c.decode.decode, e.message)
+            c.decode.end()
             raise
         if resp.status_code >= 400:  # the decode refused or failed: it will not use our KV
             svc.release(c.request_id)
@@ -257,8 +293,7 @@ class Gateway:
                 reason = None if done else "the decode's stream ended before [DONE]"
             if reason is not None:
                 log.warning("request %s: %s", c.request_id, reason)
-                if self.health is not None:
-                    self.health.report_unreachable(reason)
+                self.decodes.report_unreachable(c.decode.decode, f"{reason} at {c.decode.decode.url}")
                 yield _error_event(f"{reason}; the answer is incomplete", "DecodeUnavailable", 502)
                 yield b"data: [DONE]\n\n"
                 outcome = "DecodeStreamBroken"
@@ -272,6 +307,7 @@ class Gateway:
             raise
         finally:
             await resp.aclose()
+            c.decode.end()
             if c.release_after:
                 self.service.release(c.request_id)
             c.outcome.record(outcome)

@@ -2,7 +2,8 @@
 prefill-then-decode policy), nothing more.
 
 POST /v1/completions and /v1/chat/completions (stream and non-stream), GET /v1/models, /metrics,
-/health (readiness: 503 while the engine loop is dead or the decode is down) and /livez (liveness).
+/health (readiness: 503 while the engine loop is dead or no decode is up; 200 with "degraded" while
+some decodes are down) and /livez (liveness).
 Errors are OpenAI-shaped JSON with a 4xx/5xx status and a message that says what to change; a 429 or
 503 that may pass carries Retry-After. Bodies are limited (413) and a client that hangs up cancels
 its request (``request_guard.py``).
@@ -23,7 +24,7 @@ from starlette.exceptions import HTTPException
 from prefill_server.errors import InvalidRequest, PrefillError
 from prefill_server.serving.auth import ApiKeys
 from prefill_server.serving.decode_client import DecodeClient
-from prefill_server.serving.decode_health import DecodeHealth
+from prefill_server.serving.decodes import DecodeSet
 from prefill_server.serving.gateway import Answer, Gateway
 from prefill_server.serving.request_guard import RequestGuard
 from prefill_server.serving.service import PrefillService
@@ -100,32 +101,28 @@ def _finite_float(text: str) -> float:
     return x
 
 
-def create_app(service: PrefillService, decode: DecodeClient | None, api_keys: ApiKeys | None = None, *,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, health: DecodeHealth | None = None,
-               decode_health_interval_s: float = 5.0, drain: asyncio.Event | None = None):
-    """The ASGI app. ``health``: the decode's health checker (made here from ``decode`` if not
-    given); it runs while the app does. ``drain``: set once the server is shutting down (readiness
-    then fails, so load balancers stop sending)."""
-    if decode is not None and health is None:
-        health = DecodeHealth(decode, decode_health_interval_s)
-    gateway = Gateway(service, decode, health)
-    metrics = service.metrics
-    if health is not None:
-        metrics.decode_up.set(1)
-        health.subscribe(lambda up: metrics.decode_up.set(1 if up else 0))
+def create_app(service: PrefillService, decodes: DecodeSet | DecodeClient | None, api_keys: ApiKeys | None = None,
+               *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, decode_health_interval_s: float = 5.0,
+               drain: asyncio.Event | None = None):
+    """The ASGI app. ``decodes``: the decodes (one client is a set of one), None in transfer mode
+    local; their health checks run while the app does. ``drain``: set once the server is shutting
+    down (readiness then fails, so load balancers stop sending)."""
+    if isinstance(decodes, DecodeClient):
+        decodes = DecodeSet.of(decodes, decode_health_interval_s, service.metrics)
+    gateway = Gateway(service, decodes)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
-        if health is not None:
-            health.start()
+        if decodes is not None:
+            decodes.start()
         try:
             yield
         finally:
-            if health is not None:
-                await health.stop()
+            if decodes is not None:
+                await decodes.stop()
 
     app = FastAPI(title="prefill-server", docs_url=None, redoc_url=None, lifespan=lifespan)
-    app.state.gateway, app.state.decode_health = gateway, health
+    app.state.gateway, app.state.decodes = gateway, decodes
 
     @app.exception_handler(PrefillError)
     async def _prefill_error(_req: Request, e: PrefillError):
@@ -186,11 +183,12 @@ def create_app(service: PrefillService, decode: DecodeClient | None, api_keys: A
         reasons = [] if service.worker.alive() else ["the engine loop has stopped"]
         if drain is not None and drain.is_set():
             reasons.append("the server is shutting down")
-        if health is not None and not health.up:
-            reasons.append(f"the decode at {health.client.base_url} is down ({health.reason})")
+        down = decodes.down_reasons() if decodes is not None else []
+        if decodes is not None and not decodes.any_up:
+            reasons += down
         if reasons:
             return JSONResponse({"status": "unavailable", "reasons": reasons}, status_code=503)
-        return {"status": "ok"}
+        return {"status": "ok", "degraded": down} if down else {"status": "ok"}
 
     @app.get("/v1/models")
     async def models():

@@ -19,31 +19,50 @@ from prefill_server.engine.worker import build_local_worker
 from prefill_server.serving.grpc_server import start_grpc
 from prefill_server.serving.http import create_app
 from prefill_server.serving.auth import ApiKeys, load_api_key
+from prefill_server.backends import TransferBackend
 from prefill_server.serving.decode_client import DecodeClient
-from prefill_server.serving.decode_health import DecodeHealth
+from prefill_server.serving.decodes import Decode, DecodeSet
 from prefill_server.serving.service import ModelInfo, PrefillService
 
 log = logging.getLogger(__name__)
 
 
-def build_service(ecfg: EngineConfig, scfg: ServerConfig, facts: DecodeFacts | None = None) -> PrefillService:
-    """The worker (engine + the transfer mode's producer) and the serving core. ``facts``: the decode
-    as already discovered (else it is asked here, waiting up to ``scfg.decode_wait_s`` for it)."""
+def build_service(ecfg: EngineConfig, scfg: ServerConfig,
+                  fleet: DecodeFacts | tuple[DecodeFacts, ...] | None = None) -> PrefillService:
+    """The worker (engine + the transfer mode's producer) and the serving core. ``fleet``: the
+    decodes as already discovered (else they are asked here, each waited for up to
+    ``scfg.decode_wait_s``)."""
     backend = backend_for(scfg)
-    if backend.needs_decode and facts is None:
-        facts = discovery.wait_for(scfg.decode_url, scfg.decode_wait_s)
-    ecfg = follow_decode(ecfg, facts)
-    worker = build_local_worker(ecfg, backend, facts, side_channel_host=scfg.side_channel_host,
+    fleet = discover_fleet(scfg, backend, fleet)
+    ecfg = follow_decode(ecfg, next((f for f in fleet if f.dtype), fleet[0] if fleet else None))
+    worker = build_local_worker(ecfg, backend, fleet, side_channel_host=scfg.side_channel_host,
                                 side_channel_port=scfg.side_channel_port)
     m = worker.loaded
     c = m.config
-    served = scfg.served_model_name or (facts.served_model_name if facts else m.path)
+    served = scfg.served_model_name or (fleet[0].served_model_name if fleet else m.path)
     source = ("the decode's --max-model-len" if worker.max_model_len < c.max_position_embeddings
               else "the model's context")
     info = ModelInfo(served, m.path, c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size, worker.max_model_len,
                      str(m.dtype).removeprefix("torch."), worker.block_size, max_model_len_source=source)
     return PrefillService(worker, m.tokenizer, info, backend, first_token=first_token_mode(scfg, backend),
                           eos_token_ids=c.eos_token_ids)
+
+
+def discover_fleet(scfg: ServerConfig, backend: TransferBackend,
+                   fleet: DecodeFacts | tuple[DecodeFacts, ...] | None) -> tuple[DecodeFacts, ...]:
+    """The decodes' facts (asked now unless given), checked to take the same KV."""
+    if not backend.needs_decode:
+        return ()
+    if fleet is None:
+        return discovery.wait_for_all(scfg.decode_urls, scfg.decode_wait_s)
+    fleet = (fleet,) if isinstance(fleet, DecodeFacts) else tuple(fleet)
+    discovery.check_fleet(fleet)
+    return fleet
+
+
+def decode_set(fleet: tuple[DecodeFacts, ...], backend: TransferBackend, scfg: ServerConfig, metrics) -> DecodeSet:
+    return DecodeSet([Decode(DecodeClient(f.url, scfg.decode_timeout_s), backend.decode_group(f)) for f in fleet],
+                     scfg.decode_health_interval_s, metrics)
 
 
 def follow_decode(ecfg: EngineConfig, facts: DecodeFacts | None) -> EngineConfig:
@@ -84,16 +103,16 @@ def serve(ecfg: EngineConfig, scfg: ServerConfig) -> None:
     api_keys = ApiKeys(api_key, scfg.protect_metrics) if api_key else None
     if scfg.protect_metrics and api_keys is None:
         raise ValueError("--protect-metrics needs an API key (--api-key-file, PREFILL_SERVER_API_KEY or --api-key)")
-    service = build_service(ecfg, scfg)
+    backend = backend_for(scfg)
+    fleet = discover_fleet(scfg, backend, None)
+    service = build_service(ecfg, scfg, fleet)
     sock = bind(scfg.host, scfg.port)
     host, port = sock.getsockname()[:2]
 
     async def main() -> None:
-        decode = DecodeClient(scfg.decode_url, scfg.decode_timeout_s) if service.backend.needs_decode else None
-        health = DecodeHealth(decode, scfg.decode_health_interval_s) if decode else None
+        decodes = decode_set(fleet, backend, scfg, service.metrics) if fleet else None
         drain = asyncio.Event()
-        app = create_app(service, decode, api_keys, max_body_bytes=scfg.max_body_bytes, health=health,
-                         drain=drain)
+        app = create_app(service, decodes, api_keys, max_body_bytes=scfg.max_body_bytes, drain=drain)
         server = _Uvicorn(uvicorn.Config(app, log_level="warning", access_log=False,
                                          timeout_graceful_shutdown=scfg.drain_timeout_s))
         loop = asyncio.get_running_loop()
@@ -119,8 +138,8 @@ def serve(ecfg: EngineConfig, scfg: ServerConfig) -> None:
                 grpc_server = await start_grpc(service, scfg.host, scfg.grpc_port, api_keys=api_keys,
                                                tls_cert=scfg.grpc_tls_cert, tls_key=scfg.grpc_tls_key,
                                                tls_client_ca=scfg.grpc_tls_client_ca)
-                if health is not None:
-                    health.subscribe(lambda up: asyncio.ensure_future(grpc_server.set_serving(up)))
+                if decodes is not None:
+                    decodes.subscribe(lambda up: asyncio.ensure_future(grpc_server.set_serving(up)))
             task = asyncio.create_task(server.serve(sockets=[sock]))
             while not server.started and not task.done():
                 await asyncio.sleep(0.05)
@@ -131,7 +150,7 @@ def serve(ecfg: EngineConfig, scfg: ServerConfig) -> None:
                           + (" (TLS)" if scfg.grpc_tls_cert else ""), flush=True)
                 print(f"prefill-server listening on http://{url_host}:{port} (model {service.info.served_name}, "
                       f"transfer {scfg.transfer_mode}"
-                      + (f", decode {scfg.decode_url}" if decode else "") + ")", flush=True)
+                      + (f", decode {', '.join(scfg.decode_urls)}" if decodes else "") + ")", flush=True)
             await task
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -139,8 +158,8 @@ def serve(ecfg: EngineConfig, scfg: ServerConfig) -> None:
             if grpc_server:
                 await grpc_server.stop(5.0)  # in-flight calls end first; their KV is freed
             service.worker.stop()
-            if decode:
-                await decode.close()
+            if decodes:
+                await decodes.close()
             log.info("stopped: engine, gRPC and decode client closed")
 
     asyncio.run(main())

@@ -77,14 +77,15 @@ class PrefillService:
 
     async def prefill(self, token_ids: list[int], sampling: SamplingParams = SamplingParams(),
                       request_id: str | None = None, num_logprobs: int | None = None,
-                      route: Route = Route.LEASE, room_tokens: int = 0) -> PrefillResult:
+                      route: Route = Route.LEASE, room_tokens: int = 0, decode_url: str | None = None) -> PrefillResult:
         """Prefill and hand the KV over (route LEASE or LEASE_FOR_LATER); cancelling the awaiting
         task frees everything at once. num_logprobs: also return the first token's logprobs
         (sampled + top num_logprobs). room_tokens: KV positions leased past the prompt, for a
-        decode sent more tokens (``params_for_prompt``)."""
+        decode sent more tokens (``params_for_prompt``). decode_url: the decode that will read it."""
         rid = request_id or f"pf-{uuid.uuid4().hex}"
         fut = self.worker.submit(PrefillRequest(rid, tuple(token_ids), sampling, route=route,
-                                                num_logprobs=num_logprobs, room_tokens=room_tokens))
+                                                num_logprobs=num_logprobs, room_tokens=room_tokens,
+                                                decode_url=decode_url))
         try:
             return await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
@@ -92,14 +93,20 @@ class PrefillService:
             self.worker.release(rid)
             raise
 
-    def start_stream(self, token_ids: list[int], sampling: SamplingParams = SamplingParams(),
-                     request_id: str | None = None) -> tuple[str, dict, asyncio.Future]:
+    async def start_stream(self, token_ids: list[int], sampling: SamplingParams = SamplingParams(),
+                           request_id: str | None = None) -> tuple[str, dict, asyncio.Future]:
         """Route STREAM: queue a streamed prefill; returns (request id, kv_transfer_params for
         the decode, a future of the PrefillResult). Send the decode its request at once: the
         prefill starts when the decode's connector registers its blocks."""
         rid = request_id or f"pf-{uuid.uuid4().hex}"
-        fut, params = self.worker.start_stream(PrefillRequest(rid, tuple(token_ids), sampling, route=Route.STREAM))
-        return rid, params, asyncio.wrap_future(fut)
+        params, result = self.worker.start_stream(PrefillRequest(rid, tuple(token_ids), sampling,
+                                                                 route=Route.STREAM))
+        try:
+            return rid, await asyncio.wrap_future(params), asyncio.wrap_future(result)
+        except BaseException:  # the client went away, or the worker refused it
+            result.cancel()
+            self.worker.release(rid)
+            raise
 
     def params_for_prompt(self, params: dict, num_decode_tokens: int) -> dict:
         """A prefill's kv_transfer_params fitted to the prompt the decode is sent (its length in

@@ -84,7 +84,7 @@ def compat_gateways(decode: VllmDecode) -> dict[str, GatewayThread]:
     out = {}
     for first in ("prefill", "decode"):
         svc = build_service(EngineConfig(model=decode.model, dtype="float32", kv_cache_gib=0.1),
-                            ServerConfig(transfer_mode="nixl-compat", decode_url=decode.url, first_token=first))
+                            ServerConfig(transfer_mode="nixl-compat", decode_urls=(decode.url,), first_token=first))
         out[f"nixl-compat, first token {first}"] = GatewayThread(svc, decode.url).start()
     return out
 

@@ -74,7 +74,7 @@ def connector_gateway(decode: VllmDecode, secret_file: str, dtype: str, first_to
                       **engine_options) -> GatewayThread:
     opts = dict(token_budget=1024) | engine_options
     svc = build_service(EngineConfig(model=decode.model, dtype=dtype, block_size=0, kv_cache_gib=0.25, **opts),
-                        ServerConfig(transfer_mode="connector", decode_url=decode.url, first_token=first_token,
+                        ServerConfig(transfer_mode="connector", decode_urls=(decode.url,), first_token=first_token,
                                      connector=ConnectorConfig(secret_file=secret_file, register_timeout_s=30)))
     assert svc.worker.engine.pool.block_size == decode.block_size
     return GatewayThread(svc, decode.url).start()

@@ -42,7 +42,7 @@ def decode_requests(decode: VllmDecode) -> float:
 @pytest.fixture(scope="module")
 def gateway(vllm_decode):
     svc = build_service(EngineConfig(model=vllm_decode.model, dtype="auto", kv_cache_gib=0.25, token_budget=256),
-                        ServerConfig(transfer_mode="nixl-compat", decode_url=vllm_decode.url))
+                        ServerConfig(transfer_mode="nixl-compat", decode_urls=(vllm_decode.url,)))
     gw = GatewayThread(svc, vllm_decode.url).start()
     yield gw
     gw.stop()

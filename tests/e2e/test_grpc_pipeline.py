@@ -80,7 +80,7 @@ def prefill(decode):
     model_dir = httpx.get(f"{decode.url}/v1/models", timeout=10).json()["data"][0]["root"]
     service = build_service(EngineConfig(model=model_dir, dtype=decode.dtype, device="cpu",
                                          block_size=decode.block_size, num_kv_blocks=64, token_budget=512),
-                            ServerConfig(transfer_mode="nixl-compat", decode_url=decode.url))
+                            ServerConfig(transfer_mode="nixl-compat", decode_urls=(decode.url,)))
     h = PrefillServer(service)
     try:
         yield h

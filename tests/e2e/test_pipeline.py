@@ -75,7 +75,7 @@ def bf16_engine_options() -> dict:
 def pipeline(decode: VllmDecode, dtype: str, **engine_options) -> GatewayThread:
     opts = dict(token_budget=1024) | engine_options
     svc = build_service(EngineConfig(model=decode.model, dtype=dtype, block_size=0, kv_cache_gib=0.25, **opts),
-                        ServerConfig(transfer_mode="nixl-compat", decode_url=decode.url))
+                        ServerConfig(transfer_mode="nixl-compat", decode_urls=(decode.url,)))
     assert svc.worker.engine.pool.block_size == decode.block_size  # adopted from the decode
     return GatewayThread(svc, decode.url).start()
 

@@ -183,8 +183,8 @@ def test_serve_passes_the_transfer_timeout_to_the_producer(monkeypatch):
     monkeypatch.setenv("PREFILL_SERVER_SECRET", "test-secret-0123456789")
     facts = DecodeFacts(url="http://x", vllm_version="0.32.0", model="/m", served_model_name="m", block_size=BS)
     ecfg = EngineConfig(dtype="float32", num_kv_blocks=8, lease_ttl_s=20.0)
-    for scfg, expected in ((ServerConfig(transfer_mode="connector", decode_url="http://x"), 20.0),
-                           (ServerConfig(transfer_mode="connector", decode_url="http://x",
+    for scfg, expected in ((ServerConfig(transfer_mode="connector", decode_urls=("http://x",)), 20.0),
+                           (ServerConfig(transfer_mode="connector", decode_urls=("http://x",),
                                          connector=ConnectorConfig(transfer_timeout_s=7.5)), 7.5)):
         producer = server.build_service(ecfg, scfg, facts).worker.engine.producer
         assert producer.transfer_timeout_s == expected

@@ -179,12 +179,12 @@ def test_first_token_mode_defaults_per_transfer_mode():
 
     def mode_of(scfg):
         return first_token_mode(scfg, backend_for(scfg))
-    assert mode_of(ServerConfig(transfer_mode="nixl-compat", decode_url=url)) == "prefill"
-    assert mode_of(ServerConfig(transfer_mode="connector", decode_url=url)) == "decode"  # keeps push
+    assert mode_of(ServerConfig(transfer_mode="nixl-compat", decode_urls=(url,))) == "prefill"
+    assert mode_of(ServerConfig(transfer_mode="connector", decode_urls=(url,))) == "decode"  # keeps push
     for mode in ("prefill", "decode"):
-        assert mode_of(ServerConfig(transfer_mode="connector", decode_url=url, first_token=mode)) == mode
+        assert mode_of(ServerConfig(transfer_mode="connector", decode_urls=(url,), first_token=mode)) == mode
     with pytest.raises(ValueError, match="--first-token"):
-        ServerConfig(transfer_mode="nixl-compat", decode_url=url, first_token="maybe").validate()
+        ServerConfig(transfer_mode="nixl-compat", decode_urls=(url,), first_token="maybe").validate()
 
 
 def test_plan_never_raises_on_odd_values(local_service):

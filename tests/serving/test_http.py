@@ -108,7 +108,7 @@ def test_unreachable_decode_gives_502_then_fails_fast_until_it_is_back(local_ser
         ready = c.get("/health")
         assert ready.status_code == 503 and url in ready.json()["reasons"][0]
         assert c.get("/livez").status_code == 200
-        assert 'prefill_server:decode_up 0.0' in c.get("/metrics").text
+        assert f'prefill_server:decode_up{{decode="{url}"}} 0.0' in c.get("/metrics").text
     assert local_service.worker.engine.pool.num_used == 0
 
 

@@ -68,7 +68,7 @@ def main() -> None:
         dec.completion("Warm up.", max_tokens=2)
         svc = build_service(EngineConfig(model=dec.model, dtype="float32", block_size=0, kv_cache_gib=0.25,
                                          token_budget=1024),
-                            ServerConfig(transfer_mode="nixl-compat", decode_url=dec.url))
+                            ServerConfig(transfer_mode="nixl-compat", decode_urls=(dec.url,)))
         gw = GatewayThread(svc, dec.url).start()
         rows = []
         try:
