@@ -85,6 +85,62 @@ class ConnectorConfig:
         return min(DEFAULT_TRANSFER_TIMEOUT_S, lease_ttl_s)
 
 
+ROUTING_POLICIES = ("least-tokens", "p2c", "prefix", "round-robin")
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """A pool of prefill workers on Ray Serve (prefill_server/cluster/); off (workers 0, no Ray
+    address): one engine in this process, no Ray import."""
+
+    workers: int = 0  # workers to start (0 with a Ray address: --min-workers)
+    ray_address: str | None = None  # join this Ray cluster (else a local Ray is started)
+    min_workers: int | None = None  # autoscaling bounds (None: workers, i.e. no autoscaling)
+    max_workers: int | None = None
+    routing: str = "least-tokens"  # ROUTING_POLICIES
+    worker_gpus: float | None = None  # GPUs per worker (None: 1 when the cluster has GPUs, else 0)
+    worker_cpus: float = 1.0
+    autoscale_tokens: int = 65536  # target queued prompt tokens per worker (autoscaling)
+    prefix_slack_tokens: int = 16384  # routing prefix: the worker holding the prefix, unless it has
+    # this many more outstanding tokens than the least loaded one
+
+    @property
+    def enabled(self) -> bool:
+        return self.workers > 0 or self.ray_address is not None or self.max_workers is not None
+
+    def bounds(self) -> tuple[int, int, int]:
+        """(initial, min, max) workers."""
+        lo = self.min_workers if self.min_workers is not None else max(self.workers, 1)
+        hi = self.max_workers if self.max_workers is not None else max(self.workers, lo)
+        return max(self.workers, lo) if self.workers else lo, lo, hi
+
+    def validate(self) -> None:
+        if self.workers < 0:
+            raise ValueError(f"--workers must be >= 0 (0 = no pool: one engine in this process), not {self.workers}")
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"--routing must be one of {', '.join(ROUTING_POLICIES)}, not {self.routing!r}")
+        if self.min_workers is not None and self.min_workers < 1:
+            raise ValueError("--min-workers must be >= 1")
+        if self.max_workers is not None and self.max_workers < 1:
+            raise ValueError("--max-workers must be >= 1")
+        if (self.min_workers is not None or self.max_workers is not None) and not self.enabled:
+            raise ValueError("--min-workers needs --workers, --max-workers or --ray-address")
+        if self.enabled:
+            initial, lo, hi = self.bounds()
+            if self.max_workers is not None and self.workers > self.max_workers:
+                raise ValueError(f"--workers {self.workers} is more than --max-workers {self.max_workers}")
+            if lo > hi:
+                raise ValueError(f"--min-workers {lo} is more than --max-workers {hi}")
+            if not lo <= initial <= hi:
+                raise ValueError(f"--workers {initial} must be within --min-workers {lo} and --max-workers {hi}")
+        if self.worker_gpus is not None and self.worker_gpus < 0:
+            raise ValueError("--worker-gpus must be >= 0 (or auto)")
+        if self.worker_cpus <= 0:
+            raise ValueError("--worker-cpus must be positive")
+        if self.autoscale_tokens < 1 or self.prefix_slack_tokens < 0:
+            raise ValueError("--autoscale-tokens must be positive and --prefix-slack-tokens >= 0")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -114,6 +170,7 @@ class ServerConfig:
     drain_timeout_s: float = 30.0  # on SIGTERM, in-flight HTTP requests get this long to finish
     nixl_compat: NixlCompatConfig = NixlCompatConfig()
     connector: ConnectorConfig = ConnectorConfig()
+    pool: PoolConfig = PoolConfig()
 
     def validate(self) -> None:
         if self.transfer_mode not in TRANSFER_MODES:
@@ -124,6 +181,10 @@ class ServerConfig:
                              f"not {self.first_token!r}")
         self.nixl_compat.validate()
         self.connector.validate()
+        self.pool.validate()
+        if self.pool.enabled and self.side_channel_port:
+            raise ValueError("--side-channel-port must be 0 with a worker pool: each worker listens on a "
+                             "free port of its node and tells the decode in kv_transfer_params")
         if self.transfer_mode != "local" and not self.decode_urls:
             raise ValueError(f"--transfer-mode {self.transfer_mode} needs --decode-url")
         seen: set[str] = set()

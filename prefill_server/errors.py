@@ -80,3 +80,24 @@ class RequestCancelled(PrefillError):
 class TransferError(PrefillError):
     http_status = 502
     grpc_code = "UNAVAILABLE"
+
+
+class WorkerLost(PrefillError):
+    """The prefill worker holding the request died (the pool replaces it): retry the request."""
+
+    http_status = 503
+    grpc_code = "UNAVAILABLE"
+
+
+def error_from(kind: str, message: str, field: str | None = None, retry_after_s: float | None = None) -> PrefillError:
+    """A PrefillError rebuilt from its class name (errors cross a process boundary as plain data);
+    an unknown name becomes a plain PrefillError (500)."""
+    cls = next((c for c in _subclasses(PrefillError) if c.__name__ == kind), PrefillError)
+    return cls(message, field=field, retry_after_s=retry_after_s)
+
+
+def _subclasses(cls: type) -> list[type]:
+    out = []
+    for sub in cls.__subclasses__():
+        out += [sub, *_subclasses(sub)]
+    return out

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from prefill_server.config import (DEFAULT_TRANSFER_TIMEOUT_S, FIRST_TOKEN_MODES, TRANSFER_MODES, ConnectorConfig,
-                                   EngineConfig, NixlCompatConfig, ServerConfig)
+from prefill_server.config import (DEFAULT_TRANSFER_TIMEOUT_S, FIRST_TOKEN_MODES, ROUTING_POLICIES, TRANSFER_MODES,
+                                   ConnectorConfig, EngineConfig, NixlCompatConfig, PoolConfig, ServerConfig)
 
 GROUPS = {  # section -> --help title
     "model": "model",
@@ -30,14 +30,15 @@ GROUPS = {  # section -> --help title
     "decode": "decode and transfer",
     "nixl_compat": "transfer mode nixl-compat (a stock vLLM NixlConnector decode)",
     "connector": "transfer mode connector (our vLLM connector in the decode)",
+    "pool": "worker pool on Ray (off by default: one engine in this process)",
     "security": "security (API key, gRPC TLS)",
     "server": "server (log level, shutdown)",
 }
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-def seconds_or_auto(text: Any) -> float | None:
-    """A number of seconds, or None for "auto" (the setting's own default); checked by the config."""
+def number_or_auto(text: Any) -> float | None:
+    """A number (of seconds, GPUs...), or None for "auto" (the setting's own default); checked by the config."""
     return None if text in ("auto", None) else float(text)
 
 
@@ -156,7 +157,31 @@ OPTIONS: tuple[Option, ...] = (
          "for a KV WRITE to the decode lasts; a WRITE still in flight then (e.g. its decode died) is given "
          "up, the request fails and its staging blocks are freed (an aborted request's wait happens off the "
          f"engine's thread). auto: {DEFAULT_TRANSFER_TIMEOUT_S:g}, or --lease-ttl if shorter",
-         type=seconds_or_auto, metavar="SECONDS"),
+         type=number_or_auto, metavar="SECONDS"),
+    # pool
+    _opt("--workers", "pool", "server.pool.workers", "start a local Ray and this many prefill workers (Ray Serve "
+         "replicas, one per GPU, each its own engine, KV pool and side channel; the decode reads from or is "
+         "written by the worker directly). 0: one engine in this process, no Ray", type=int),
+    _opt("--ray-address", "pool", "server.pool.ray_address", "join this Ray cluster (e.g. ray://head:10001 or "
+         "auto) instead of starting a local one: how the pool grows past one machine"),
+    _opt("--min-workers", "pool", "server.pool.min_workers", "autoscaling: the fewest workers (default: --workers)",
+         type=int),
+    _opt("--max-workers", "pool", "server.pool.max_workers", "autoscaling: the most workers (default: --workers). "
+         "Between the two, Ray Serve adds a worker while queued prompt tokens per worker exceed "
+         "--autoscale-tokens and removes one (draining it) while they are far below", type=int),
+    _opt("--routing", "pool", "server.pool.routing", "how a request picks its worker: least-tokens (fewest "
+         "outstanding prompt tokens: a 100K-token prompt weighs as much as a thousand 100-token ones), p2c "
+         "(the lesser of two at random), prefix (the worker that last saw the prompt's leading blocks, "
+         "unless it is --prefix-slack-tokens busier than the least loaded), round-robin",
+         choices=ROUTING_POLICIES),
+    _opt("--worker-gpus", "pool", "server.pool.worker_gpus", "GPUs per worker; auto: 1 when the Ray cluster has "
+         "GPUs, else 0 (CPU workers)", type=number_or_auto, metavar="N"),
+    _opt("--worker-cpus", "pool", "server.pool.worker_cpus", "CPUs Ray reserves per worker", type=float),
+    _opt("--autoscale-tokens", "pool", "server.pool.autoscale_tokens", "autoscaling target: queued prompt tokens "
+         "per worker", type=int),
+    _opt("--prefix-slack-tokens", "pool", "server.pool.prefix_slack_tokens", "--routing prefix: how many more "
+         "outstanding tokens the worker holding a prefix may have than the least loaded before the request "
+         "goes elsewhere", type=int),
     # security
     _opt("--api-key", "security", "server.api_key", "require 'Authorization: Bearer KEY' on /v1/* and (as "
          "metadata) on gRPC prefill calls. Visible in ps: prefer --api-key-file or the PREFILL_SERVER_API_KEY "
@@ -207,7 +232,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     groups = {name: p.add_argument_group(title) for name, title in GROUPS.items()}
     for o in OPTIONS:
         d = _default(o)
-        shown = "auto" if d is None and o.type is seconds_or_auto else d
+        shown = "auto" if d is None and o.type is number_or_auto else d
         help_ = o.help if shown is None or o.flag_only else f"{o.help} (default: {shown})"
         kw: dict[str, Any] = {"dest": o.target, "default": argparse.SUPPRESS, "help": help_}
         if o.repeats:
@@ -312,7 +337,8 @@ def build(values: dict[str, Any]) -> Settings:
     server = dataclasses.replace(
         ServerConfig(), **section("server."),
         nixl_compat=NixlCompatConfig(**section("server.nixl_compat.")),
-        connector=ConnectorConfig(**section("server.connector.")))
+        connector=ConnectorConfig(**section("server.connector.")),
+        pool=PoolConfig(**section("server.pool.")))
     s = Settings(EngineConfig(**section("engine.")), server, values.get("log_level") or "info")
     s.engine.validate()
     s.server.validate()

@@ -16,4 +16,6 @@ fi
 # after Triton's interpreter tests aborted the interpreter once (not understood yet; see issue notes).
 M="not slow and not gpu and not e2e"
 .venv/bin/python -m pytest -ra -m "$M" tests/kv_transfer "$@"
-exec .venv/bin/python -m pytest -ra -m "$M" --ignore=tests/kv_transfer "$@"
+# The pool's tests start local Ray clusters (and fake GPUs): their own process too.
+.venv/bin/python -m pytest -ra -m "$M" tests/cluster "$@"
+exec .venv/bin/python -m pytest -ra -m "$M" --ignore=tests/kv_transfer --ignore=tests/cluster "$@"

@@ -100,3 +100,26 @@ def test_decode_url_repeats_on_the_command_line_and_is_a_list_in_the_file(tmp_pa
                          (["--decode-url", "a:1"], "http:// or https://")):
         with pytest.raises(ValueError, match=needle):
             parse(argv)
+
+
+def test_pool_flags_file_and_checks(tmp_path, capsys):
+    L = ["--transfer-mode", "local"]
+    s = parse([*L, "--workers", "2", "--routing", "prefix", "--worker-gpus", "auto", "--max-workers", "4"])
+    assert s.server.pool.workers == 2 and s.server.pool.routing == "prefix" and s.server.pool.worker_gpus is None
+    assert s.server.pool.enabled and s.server.pool.bounds() == (2, 2, 4)
+    assert not parse(L).server.pool.enabled  # no pool flags: one engine in this process, no Ray
+    assert main(["config", "dump", "--transfer-mode", "local", "--workers", "3", "--worker-gpus", "1"]) == 0
+    f = tmp_path / "pool.yaml"
+    f.write_text(capsys.readouterr().out)
+    got = parse(["--config", str(f)]).server.pool
+    assert got.workers == 3 and got.worker_gpus == 1.0
+    for argv, needle in ((["--workers", "-1"], "--workers must be >= 0"),
+                         (["--workers", "3", "--max-workers", "2"], "--workers 3 is more than --max-workers"),
+                         (["--min-workers", "3", "--max-workers", "2"], "more than --max-workers"),
+                         (["--min-workers", "2"], "needs --workers"),
+                         (["--workers", "2", "--side-channel-port", "5555"], "must be 0 with a worker pool")):
+        with pytest.raises(ValueError, match=needle):
+            parse([*L, *argv])
+    with pytest.raises(SystemExit):  # argparse: not a choice
+        main(["serve", "--routing", "random"])
+    assert "least-tokens" in capsys.readouterr().err

@@ -75,6 +75,9 @@ class AsyncPrefillClient:
     async def server_info(self, *, timeout: float | None = None) -> pb.ServerInfo:
         return await self._call(self.stub.GetServerInfo, pb.GetServerInfoRequest(), timeout)
 
+    async def list_workers(self, *, timeout: float | None = None) -> pb.ListWorkersResponse:
+        return await self._call(self.stub.ListWorkers, pb.ListWorkersRequest(), timeout)
+
     async def health(self, service: str = "", *, timeout: float | None = None) -> str:
         stub = health_pb2_grpc.HealthStub(self.channel)
         r = await self._call(stub.Check, health_pb2.HealthCheckRequest(service=service), timeout)

@@ -83,6 +83,10 @@ class PrefillClient:
     def server_info(self, *, timeout: float | None = None) -> pb.ServerInfo:
         return self._call(self.stub.GetServerInfo, pb.GetServerInfoRequest(), timeout)
 
+    def list_workers(self, *, timeout: float | None = None) -> pb.ListWorkersResponse:
+        """The prefill workers behind the server and their load."""
+        return self._call(self.stub.ListWorkers, pb.ListWorkersRequest(), timeout)
+
     def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """The grpc.health.v1 status name ("SERVING", "NOT_SERVING", ...) of service ("" = the server)."""
         stub = health_pb2_grpc.HealthStub(self.channel)

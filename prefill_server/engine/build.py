@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 class LoadedModel:
     path: str
     config: ModelConfig
-    model: torch.nn.Module
+    model: torch.nn.Module | None  # None: described only (describe)
     tokenizer: Tokenizer
     dtype: torch.dtype
     device: torch.device
@@ -41,6 +41,15 @@ def load(cfg: EngineConfig) -> LoadedModel:
     dtype = mcfg.dtype if cfg.dtype == "auto" else parse_dtype(cfg.dtype)
     mcfg, model = load_model(path, dtype=dtype, device=device)
     return LoadedModel(str(path), mcfg, model.eval(), Tokenizer(path), dtype, device)
+
+
+def describe(cfg: EngineConfig) -> LoadedModel:
+    """The model's config and tokenizer without its weights: a pool's gateway tokenizes and checks
+    requests, its workers compute."""
+    path = resolve_model(cfg.model)
+    mcfg = ModelConfig.from_hf_dir(path)
+    dtype = mcfg.dtype if cfg.dtype == "auto" else parse_dtype(cfg.dtype)
+    return LoadedModel(str(path), mcfg, None, Tokenizer(path), dtype, torch.device("meta"))
 
 
 DEFAULT_BLOCK_SIZE = 16

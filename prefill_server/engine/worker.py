@@ -9,6 +9,8 @@ call of a prefill engine, and ``LocalWorker``, the engine in this process behind
     progress(rid)      where a request is: queued (how many ahead) or running (tokens done)
     load()             what routing needs: queued and running requests and tokens, free blocks
     alive()            the step loop runs
+    not_ready()        why it cannot take requests now (readiness), [] when it can
+    pool_status()      its workers and their load (GET /v1/pool; here: one, this process)
 
 The message types (``PrefillRequest``, ``SamplingParams``, ``PrefillResult``) are re-exported
 here: serving imports this module and nothing else of the engine.
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Protocol
 
 from kv_transfer.base import Route
@@ -55,6 +57,8 @@ class PrefillWorker(Protocol):
     def alive(self) -> bool: ...
     def fits_whole(self, num_tokens: int) -> bool: ...
     def render_metrics(self) -> bytes: ...
+    def not_ready(self) -> list[str]: ...
+    def pool_status(self) -> dict: ...
 
 
 class LocalWorker(PrefillWorker):
@@ -105,6 +109,18 @@ class LocalWorker(PrefillWorker):
         self.engine.refresh_metrics()
         return self.metrics.render()
 
+    def not_ready(self) -> list[str]:
+        return [] if self.engine.alive() else ["the engine loop has stopped"]
+
+    def pool_status(self) -> dict:
+        return {"routing": None, "workers": [{"worker": "local", "outstanding_tokens": self.load().pending_tokens,
+                                              "stats": asdict(self.load())}]}
+
+
+def context_len(config, fleet: tuple[DecodeFacts, ...]) -> int:
+    """The context enforced: the smallest of the model's and the decodes' --max-model-len."""
+    return min([config.max_position_embeddings, *(f.max_model_len for f in fleet if f.max_model_len)])
+
 
 def build_local_worker(ecfg: EngineConfig, backend, fleet: tuple[DecodeFacts, ...], *, side_channel_host: str,
                        side_channel_port: int) -> LocalWorker:
@@ -119,7 +135,7 @@ def build_local_worker(ecfg: EngineConfig, backend, fleet: tuple[DecodeFacts, ..
     stream_to = producer if Route.STREAM in producer.routes else None
     runner = build.make_runner(m, pool, ecfg.attention, stream_to=stream_to)
     c = m.config
-    max_model_len = min([c.max_position_embeddings, *(f.max_model_len for f in fleet if f.max_model_len)])
+    max_model_len = context_len(c, fleet)
     engine = Engine(runner, pool, producer, max_model_len=max_model_len,
                     vocab_size=c.vocab_size, token_budget=ecfg.token_budget, max_num_seqs=ecfg.max_num_seqs,
                     max_queue_wait_s=ecfg.max_queue_wait_s)

@@ -275,10 +275,10 @@ class Gateway:
         client can tell a cut answer from a whole one."""
         state = c.first.stream_start() if c.first else None
         outcome = "cancelled"
+        done = failed = False
         try:
             if state is not None:
                 yield state.first(self.service.info.served_name)
-            done = failed = False
             try:
                 async for line in resp.aiter_lines():
                     if not line.startswith("data:"):
@@ -301,7 +301,9 @@ class Gateway:
                 outcome = "DecodeFailed" if failed else "ok"
                 self.metrics.e2e_time.observe(time.monotonic() - c.t0)
         except (asyncio.CancelledError, GeneratorExit):
-            raise  # the client went away ("cancelled")
+            if done:  # the client had [DONE] (a yield hands its value over before it suspends) and closed
+                outcome = "DecodeFailed" if failed else "ok"
+            raise  # else the client went away mid-answer ("cancelled")
         except BaseException:
             outcome = "InternalError"
             raise

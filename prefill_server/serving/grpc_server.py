@@ -25,6 +25,7 @@ import ipaddress
 import json
 import logging
 import math
+import os
 import sys
 import time
 import uuid
@@ -330,6 +331,20 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             num_free_kv_blocks=load.free_blocks, server_version=_package_version(), api_version=API_VERSION,
             versions={"torch": torch.__version__, "grpcio": grpc.__version__,
                       "protobuf": google.protobuf.__version__, "python": sys.version.split()[0]})
+
+    @_unary(pb.ListWorkersRequest)
+    async def ListWorkers(self, request: pb.ListWorkersRequest, context) -> pb.ListWorkersResponse:
+        status = await asyncio.to_thread(self.service.worker.pool_status)
+        workers = []
+        for w in status["workers"]:
+            s = w.get("stats") or {}
+            workers.append(pb.Worker(
+                worker=w["worker"], node_ip=s.get("node_ip", ""), pid=s.get("pid", os.getpid()),
+                gpu_ids=[str(g) for g in s.get("gpu_ids", [])], outstanding_tokens=w["outstanding_tokens"],
+                waiting=s.get("waiting", 0), running=s.get("running", 0), free_kv_blocks=s.get("free_blocks", 0),
+                total_kv_blocks=s.get("total_blocks", 0)))
+        return pb.ListWorkersResponse(routing=status.get("routing") or "", workers=workers,
+                                      replica_states=status.get("replica_states") or {})
 
 
 @functools.lru_cache(maxsize=1)

@@ -134,7 +134,7 @@ def create_app(service: PrefillService, decodes: DecodeSet | DecodeClient | None
         message = f"{e.detail}: {req.method} {req.url.path}"
         if e.status_code == 404:
             message += ("; this server serves POST /v1/completions, POST /v1/chat/completions, "
-                        "GET /v1/models, GET /health, GET /livez and GET /metrics")
+                        "GET /v1/models, GET /v1/pool, GET /health, GET /livez and GET /metrics")
         elif allow := {k.lower(): v for k, v in headers.items()}.get("allow"):
             message += f"; use {allow}"
         resp = _error(e.status_code, message, str(e.detail).title().replace(" ", ""))
@@ -180,7 +180,7 @@ def create_app(service: PrefillService, decodes: DecodeSet | DecodeClient | None
     @app.get("/health")
     async def ready():
         """Readiness: the engine loop runs, the model is loaded and the decode answers."""
-        reasons = [] if service.worker.alive() else ["the engine loop has stopped"]
+        reasons = service.worker.not_ready()
         if drain is not None and drain.is_set():
             reasons.append("the server is shutting down")
         down = decodes.down_reasons() if decodes is not None else []
@@ -196,9 +196,14 @@ def create_app(service: PrefillService, decodes: DecodeSet | DecodeClient | None
         return {"object": "list", "data": [{"id": i.served_name, "object": "model", "owned_by": "prefill-server",
                                             "root": i.path, "max_model_len": i.max_model_len}]}
 
+    @app.get("/v1/pool")
+    async def pool():
+        """The prefill workers and their load (one, this process, without --workers)."""
+        return await asyncio.to_thread(service.worker.pool_status)
+
     @app.get("/metrics")
-    async def prom():
-        return Response(service.worker.render_metrics(), media_type="text/plain; version=0.0.4")
+    async def prom():  # (a pool asks each worker: off the event loop)
+        return Response(await asyncio.to_thread(service.worker.render_metrics), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -35,8 +35,13 @@ def build_service(ecfg: EngineConfig, scfg: ServerConfig,
     backend = backend_for(scfg)
     fleet = discover_fleet(scfg, backend, fleet)
     ecfg = follow_decode(ecfg, next((f for f in fleet if f.dtype), fleet[0] if fleet else None))
-    worker = build_local_worker(ecfg, backend, fleet, side_channel_host=scfg.side_channel_host,
-                                side_channel_port=scfg.side_channel_port)
+    if scfg.pool.enabled:  # workers on Ray (imported only then); started by worker.start()
+        from prefill_server.cluster.pool import build_ray_pool
+
+        worker = build_ray_pool(ecfg, scfg, fleet)
+    else:
+        worker = build_local_worker(ecfg, backend, fleet, side_channel_host=scfg.side_channel_host,
+                                    side_channel_port=scfg.side_channel_port)
     m = worker.loaded
     c = m.config
     served = scfg.served_model_name or (fleet[0].served_model_name if fleet else m.path)
@@ -106,7 +111,12 @@ def serve(ecfg: EngineConfig, scfg: ServerConfig) -> None:
     backend = backend_for(scfg)
     fleet = discover_fleet(scfg, backend, None)
     service = build_service(ecfg, scfg, fleet)
-    sock = bind(scfg.host, scfg.port)
+    service.worker.start()  # (a pool: Ray, and its first worker running)
+    try:
+        sock = bind(scfg.host, scfg.port)
+    except BaseException:
+        service.worker.stop()
+        raise
     host, port = sock.getsockname()[:2]
 
     async def main() -> None:
@@ -132,7 +142,6 @@ def serve(ecfg: EngineConfig, scfg: ServerConfig) -> None:
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig)
-        service.worker.start()
         try:
             if scfg.grpc_port is not None:
                 grpc_server = await start_grpc(service, scfg.host, scfg.grpc_port, api_keys=api_keys,

@@ -6,20 +6,23 @@ import time
 
 from prefill_server.serving.background import BackgroundServer
 from prefill_server.serving.decode_client import DecodeClient
+from prefill_server.serving.decodes import Decode, DecodeSet
 from prefill_server.serving.http import create_app
 from prefill_server.serving.service import PrefillService
 
 
 class GatewayThread:
-    def __init__(self, service: PrefillService, decode_url: str | None):
+    def __init__(self, service: PrefillService, decode_url: str | list[str] | None, health_interval_s: float = 5.0):
         self.service = service
-        self.decode_url = decode_url
+        self.decode_urls = [decode_url] if isinstance(decode_url, str) else list(decode_url or [])
+        self.health_interval_s = health_interval_s
         self._server: BackgroundServer | None = None
 
     def start(self) -> "GatewayThread":
         self.service.worker.engine.start()
-        decode = DecodeClient(self.decode_url) if self.decode_url else None
-        self._server = BackgroundServer(create_app(self.service, decode)).start()
+        decodes = DecodeSet([Decode(DecodeClient(u)) for u in self.decode_urls], self.health_interval_s,
+                            self.service.metrics) if self.decode_urls else None
+        self._server = BackgroundServer(create_app(self.service, decodes)).start()
         self.url = self._server.url
         return self
 

@@ -17,11 +17,12 @@ from prefill_server.serving.request_guard import RequestGuard
 
 class FakeDecode:
     def __init__(self, *, max_model_len: int = 4096, model: str = "fake", tokens: int = 3,
-                 break_after: int | None = None, delay_s: float = 0.0):
+                 break_after: int | None = None, delay_s: float = 0.0, after_done_s: float = 0.0):
         self.requests: list[dict] = []  # bodies received on /v1/*
         self.healthy = True
         self.break_after = break_after  # streams: cut the connection after this many events
         self.delay_s, self.tokens = delay_s, tokens
+        self.after_done_s = after_done_s  # streams: the body ends this long after [DONE]
         self.cancelled = 0  # requests whose client (the gateway) went away before the answer
         app = FastAPI()
 
@@ -68,6 +69,7 @@ class FakeDecode:
                                                                             "finish_reason": None}]}
             yield f"data: {json.dumps(ev)}\n\n".encode()
         yield b"data: [DONE]\n\n"
+        await asyncio.sleep(self.after_done_s)
 
     def __enter__(self) -> FakeDecode:
         self.server.start()

@@ -223,3 +223,21 @@ def test_disconnect_watch_leaves_keep_alive_connections_working(stack):
             assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
     assert counter(svc, "requests", "ok") == 3 and counter(svc, "requests", "cancelled") == 0
 
+
+
+def test_a_client_closing_right_after_done_is_ok_not_cancelled():
+    """Many clients close a stream as soon as they read [DONE]; the answer reached them whole."""
+    svc = make_service(num_blocks=64, max_queue_wait_s=30.0)
+    svc.worker.engine.start()
+    try:
+        with FakeDecode(after_done_s=1.0) as decode, BackgroundServer(create_app(svc, DecodeClient(decode.url))) as gw:
+            before = counter(svc, "requests", "ok"), counter(svc, "requests", "cancelled")
+            with httpx.stream("POST", gw.url + "/v1/completions", json={"prompt": "hi", "stream": True},
+                              timeout=30) as r:
+                for line in r.iter_lines():
+                    if line.strip() == "data: [DONE]":
+                        break
+            assert wait_for(lambda: counter(svc, "requests", "ok") == before[0] + 1, 5.0)
+            assert counter(svc, "requests", "cancelled") == before[1]
+    finally:
+        svc.worker.engine.stop()

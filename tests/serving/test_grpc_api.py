@@ -2,6 +2,7 @@
 TLS, deadlines and cancellation freeing KV at once, the streaming events and the client library."""
 import asyncio
 import json
+import os
 import shutil
 import subprocess
 import time
@@ -98,6 +99,13 @@ def test_extreme_sampling_values_are_served(h, client, sampling):
     client.release(r.request_id)
 
 
+def test_list_workers_without_a_pool_is_this_process(h, client):
+    r = client.list_workers()
+    assert r.routing == "" and [w.worker for w in r.workers] == ["local"]
+    w = r.workers[0]
+    assert w.pid == os.getpid() and w.total_kv_blocks == 24 and w.free_kv_blocks == 24 and w.outstanding_tokens == 0
+
+
 def test_server_info_health_and_reflection(h, client):
     info = client.server_info()
     assert (info.model, info.num_layers, info.num_kv_heads, info.head_dim, info.block_size) == ("tiny", 2, 2, 8, 8)
@@ -162,7 +170,7 @@ def test_bad_input_is_invalid_argument_naming_the_field(h, client, method, reque
 
 
 def test_malformed_messages_and_bad_release_ids(h, client):
-    for method in ("Prefill", "PrefillStream", "Release", "GetServerInfo"):
+    for method in ("Prefill", "PrefillStream", "Release", "GetServerInfo", "ListWorkers"):
         code, details, md = raw_call(h, b"\xff\xff\xff", method)
         assert code == CODE.INVALID_ARGUMENT and md["prefill-error-field"] == "request", (method, code, details)
     for rid in ("", "x" * 201, "a,b", "a b", "HB:x"):  # (kv_transfer.base.check_request_id)

@@ -208,3 +208,46 @@ class ServerInfo(_message.Message):
     api_version: str
     versions: _containers.ScalarMap[str, str]
     def __init__(self, model: _Optional[str] = ..., model_path: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_layout: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., supported_transfer_modes: _Optional[_Iterable[_Union[TransferMode, str]]] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., server_version: _Optional[str] = ..., api_version: _Optional[str] = ..., versions: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class ListWorkersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Worker(_message.Message):
+    __slots__ = ("worker", "node_ip", "pid", "gpu_ids", "outstanding_tokens", "waiting", "running", "free_kv_blocks", "total_kv_blocks")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    NODE_IP_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    GPU_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTSTANDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    node_ip: str
+    pid: int
+    gpu_ids: _containers.RepeatedScalarFieldContainer[str]
+    outstanding_tokens: int
+    waiting: int
+    running: int
+    free_kv_blocks: int
+    total_kv_blocks: int
+    def __init__(self, worker: _Optional[str] = ..., node_ip: _Optional[str] = ..., pid: _Optional[int] = ..., gpu_ids: _Optional[_Iterable[str]] = ..., outstanding_tokens: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ...) -> None: ...
+
+class ListWorkersResponse(_message.Message):
+    __slots__ = ("routing", "workers", "replica_states")
+    class ReplicaStatesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    ROUTING_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_STATES_FIELD_NUMBER: _ClassVar[int]
+    routing: str
+    workers: _containers.RepeatedCompositeFieldContainer[Worker]
+    replica_states: _containers.ScalarMap[str, int]
+    def __init__(self, routing: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., replica_states: _Optional[_Mapping[str, int]] = ...) -> None: ...

@@ -54,6 +54,11 @@ class PrefillServiceStub:
                 request_serializer=prefill_dot_v1_dot_prefill__pb2.GetServerInfoRequest.SerializeToString,
                 response_deserializer=prefill_dot_v1_dot_prefill__pb2.ServerInfo.FromString,
                 _registered_method=True)
+        self.ListWorkers = channel.unary_unary(
+                '/prefill.v1.PrefillService/ListWorkers',
+                request_serializer=prefill_dot_v1_dot_prefill__pb2.ListWorkersRequest.SerializeToString,
+                response_deserializer=prefill_dot_v1_dot_prefill__pb2.ListWorkersResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServiceServicer:
@@ -90,6 +95,13 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListWorkers(self, request, context):
+        """The prefill workers behind this server and their load (one without a pool; GET /v1/pool).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +124,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.GetServerInfo,
                     request_deserializer=prefill_dot_v1_dot_prefill__pb2.GetServerInfoRequest.FromString,
                     response_serializer=prefill_dot_v1_dot_prefill__pb2.ServerInfo.SerializeToString,
+            ),
+            'ListWorkers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListWorkers,
+                    request_deserializer=prefill_dot_v1_dot_prefill__pb2.ListWorkersRequest.FromString,
+                    response_serializer=prefill_dot_v1_dot_prefill__pb2.ListWorkersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +239,33 @@ class PrefillService:
             '/prefill.v1.PrefillService/GetServerInfo',
             prefill_dot_v1_dot_prefill__pb2.GetServerInfoRequest.SerializeToString,
             prefill_dot_v1_dot_prefill__pb2.ServerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListWorkers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prefill.v1.PrefillService/ListWorkers',
+            prefill_dot_v1_dot_prefill__pb2.ListWorkersRequest.SerializeToString,
+            prefill_dot_v1_dot_prefill__pb2.ListWorkersResponse.FromString,
             options,
             channel_credentials,
             insecure,

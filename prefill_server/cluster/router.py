@@ -1,0 +1,129 @@
+"""Which worker takes a request: a Ray Serve request router, run by Serve in the gateway's process.
+
+Policies (``--routing``):
+    least-tokens  fewest outstanding prompt tokens (default): a 100K-token prompt weighs what it costs
+    p2c           the lesser of two workers drawn at random (power of two choices) on the same measure
+    prefix        the worker that last took the longest run of this prompt's leading blocks, unless it
+                  has ``prefix_slack_tokens`` more outstanding than the least loaded (then least-tokens)
+    round-robin   in turn
+
+A worker's outstanding tokens are the larger of what this router sent it and has not seen finish,
+and what the worker last reported (``PrefillReplica.record_routing_stats``, pushed by Serve every
+second): the router never polls a worker per request.
+
+The caller passes hints in the request dict under ``"_hints"``: ``num_tokens``, ``prefix`` (block
+hashes, ``prefix_hashes``), ``replica`` (this worker only: a release goes where its KV is) and
+``avoid`` (workers not to use: a retry after one died).
+
+Serve copies this class into the process by value: state shared with the pool lives in
+``routers.LIVE``, a module Serve imports by reference.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import random
+from collections import OrderedDict
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from prefill_server.cluster import routers
+
+PREFIX_BLOCKS = 128  # leading blocks hashed for prefix affinity
+_PREFIX_MEMORY = 65536  # block hashes remembered (least recently used forgotten first)
+
+
+def prefix_hashes(token_ids: list[int] | tuple[int, ...], block_size: int) -> list[str]:
+    """Chained hashes of the prompt's full leading blocks: the i-th names blocks 0..i."""
+    out, h = [], b""
+    for i in range(min(len(token_ids) // block_size, PREFIX_BLOCKS)):
+        block = token_ids[i * block_size:(i + 1) * block_size]
+        h = hashlib.blake2b(h + b"".join(t.to_bytes(4, "little", signed=True) for t in block),
+                            digest_size=12).digest()
+        out.append(h.hex())
+    return out
+
+
+def hints_of(req: PendingRequest | None) -> dict[str, Any]:
+    if req is None or not req.args or not isinstance(req.args[0], dict):
+        return {}
+    return req.args[0].get("_hints") or {}
+
+
+class PrefillRouter(RequestRouter):
+    def initialize_state(self, policy: str = "least-tokens", prefix_slack_tokens: int = 16384, **_: Any) -> None:
+        self.policy, self.prefix_slack_tokens = policy, prefix_slack_tokens
+        self._sent: dict[str, dict[str, int]] = {}  # replica id -> {internal request id: tokens}
+        self._prefix: OrderedDict[str, str] = OrderedDict()  # block hash -> replica id
+        self._turn = itertools.count()
+        self._rng = random.Random()
+        routers.LIVE.append(self)
+
+    # ---- the view ----
+    def outstanding_tokens(self, r: RunningReplica) -> int:
+        sent = sum(self._sent.get(r.replica_id.unique_id, {}).values())
+        return max(sent, int((r.routing_stats or {}).get("pending_tokens", 0)))
+
+    def workers(self) -> list[dict[str, Any]]:
+        """Each running worker: its id, node and last reported load."""
+        return [{"worker": r.replica_id.unique_id, "node_id": r.node_id, "outstanding_tokens": self.outstanding_tokens(r),
+                 "requests_routed_here": len(self._sent.get(r.replica_id.unique_id, {})),
+                 "stats": dict(r.routing_stats or {})} for r in list(self._replicas.values())]
+
+    # ---- choosing ----
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        hints = hints_of(pending_request)
+        if (want := hints.get("replica")) is not None:
+            return [[r for r in candidate_replicas if r.replica_id.unique_id == want]]
+        avoid = set(hints.get("avoid") or ())
+        cands = [r for r in candidate_replicas if r.replica_id.unique_id not in avoid] or list(candidate_replicas)
+        if not cands:
+            return []
+        best = self._choose(cands, hints)
+        return [[best], [r for r in cands if r is not best]]
+
+    def _choose(self, cands: list[RunningReplica], hints: dict[str, Any]) -> RunningReplica:
+        if self.policy == "round-robin":
+            return sorted(cands, key=lambda r: r.replica_id.unique_id)[next(self._turn) % len(cands)]
+        if self.policy == "p2c" and len(cands) > 2:
+            cands = self._rng.sample(cands, 2)
+        least = self._least(cands)
+        if self.policy == "prefix" and (held := self._holder(cands, hints.get("prefix") or [])) is not None:
+            if self.outstanding_tokens(held) - self.outstanding_tokens(least) <= self.prefix_slack_tokens:
+                return held
+        return least
+
+    def _least(self, cands: list[RunningReplica]) -> RunningReplica:
+        low = min(self.outstanding_tokens(r) for r in cands)
+        ties = sorted((r for r in cands if self.outstanding_tokens(r) == low), key=lambda r: r.replica_id.unique_id)
+        return ties[next(self._turn) % len(ties)]
+
+    def _holder(self, cands: list[RunningReplica], hashes: list[str]) -> RunningReplica | None:
+        """The candidate that took the longest run of these leading blocks."""
+        by_id = {r.replica_id.unique_id: r for r in cands}
+        for h in reversed(hashes):
+            if (rid := self._prefix.get(h)) in by_id:
+                return by_id[rid]
+        return None
+
+    # ---- bookkeeping ----
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        if pending_request.metadata.call_method != "run":
+            return
+        hints = hints_of(pending_request)
+        rid = replica_id.unique_id
+        self._sent.setdefault(rid, {})[pending_request.metadata.internal_request_id] = int(hints.get("num_tokens", 0))
+        for h in hints.get("prefix") or ():
+            self._prefix[h] = rid
+            self._prefix.move_to_end(h)
+        while len(self._prefix) > _PREFIX_MEMORY:
+            self._prefix.popitem(last=False)
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        self._sent.get(replica_id.unique_id, {}).pop(internal_request_id, None)
+
+    def on_replica_actor_died(self, replica_id) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._sent.pop(replica_id.unique_id, None)

@@ -1,0 +1,112 @@
+"""The pool's request router (cluster/router.py) on stand-ins for Serve's running replicas: each
+policy picks as documented, outstanding tokens are the larger of what the router sent and what the
+worker reported, a release goes to the worker named, a retry avoids the worker that died."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from prefill_server.cluster import routers  # noqa: E402
+from prefill_server.cluster.router import PrefillRouter, prefix_hashes  # noqa: E402
+
+
+@dataclass
+class Replica:  # what the router reads of Serve's RunningReplica
+    name: str
+    routing_stats: dict = field(default_factory=dict)
+    node_id: str = "node"
+
+    @property
+    def replica_id(self):
+        return SimpleNamespace(unique_id=self.name)
+
+
+def make_router(policy: str, slack: int = 1000) -> PrefillRouter:
+    r = PrefillRouter.__new__(PrefillRouter)  # (Serve's own constructor needs a running controller)
+    r._replicas = {}
+    r.initialize_state(policy=policy, prefix_slack_tokens=slack)
+    return r
+
+
+def pending(n_tokens: int = 0, method: str = "run", **hints):
+    return SimpleNamespace(args=[{"_hints": {"num_tokens": n_tokens, **hints}}], kwargs={},
+                           metadata=SimpleNamespace(call_method=method, internal_request_id=f"i{id(hints)}{n_tokens}"))
+
+
+def choose(router, replicas, req):
+    ranks = asyncio.run(router.choose_replicas(replicas, req))
+    return ranks[0][0].name
+
+
+def route(router, replicas, req) -> str:
+    name = choose(router, replicas, req)
+    router.on_request_routed(req, SimpleNamespace(unique_id=name), None)
+    return name
+
+
+def test_least_tokens_weighs_prompts_by_their_tokens():
+    router = make_router("least-tokens")
+    a, b = Replica("a"), Replica("b")
+    first = route(router, [a, b], pending(100_000))
+    other = "b" if first == "a" else "a"
+    for _ in range(20):  # a hundred thousand tokens outweigh twenty short requests
+        assert route(router, [a, b], pending(100)) == other
+    assert router in routers.LIVE
+
+
+def test_reported_load_counts_when_larger_than_what_was_sent():
+    router = make_router("least-tokens")
+    a, b = Replica("a", {"pending_tokens": 50_000}), Replica("b", {"pending_tokens": 10})
+    assert {route(router, [a, b], pending(10)) for _ in range(5)} == {"b"}
+
+
+def test_completed_requests_stop_counting_and_ties_take_turns():
+    router = make_router("least-tokens")
+    a, b = Replica("a"), Replica("b")
+    req = pending(5000)
+    first = route(router, [a, b], req)
+    router.on_request_completed(SimpleNamespace(unique_id=first), req.metadata.internal_request_id)
+    assert router.outstanding_tokens(a) == router.outstanding_tokens(b) == 0
+    picks = [choose(router, [a, b], pending(1)) for _ in range(4)]
+    assert sorted(picks) == ["a", "a", "b", "b"]
+
+
+def test_p2c_never_picks_the_busiest_of_three():
+    router = make_router("p2c")
+    reps = [Replica("a", {"pending_tokens": 0}), Replica("b", {"pending_tokens": 10}),
+            Replica("c", {"pending_tokens": 10_000})]
+    assert "c" not in {choose(router, reps, pending(1)) for _ in range(50)}
+
+
+def test_prefix_affinity_capped_by_load():
+    router = make_router("prefix", slack=2500)
+    a, b = Replica("a"), Replica("b")
+    doc = list(range(64 * 16))
+    hashes = prefix_hashes(doc + [7, 8, 9], 16)
+    assert len(hashes) == 64 and hashes == prefix_hashes(doc, 16)  # full blocks only
+    home = route(router, [a, b], pending(len(doc), prefix=hashes))
+    for q in range(2):  # the same document, other questions: the same worker
+        assert route(router, [a, b], pending(len(doc) + 3, prefix=prefix_hashes(doc + [q] * 3, 16))) == home
+    # the holder now has ~3K outstanding, more than the slack over the idle one: load wins
+    other = "b" if home == "a" else "a"
+    assert route(router, [a, b], pending(len(doc), prefix=hashes)) == other
+
+
+def test_round_robin_takes_turns_whatever_the_load():
+    router = make_router("round-robin")
+    reps = [Replica("a", {"pending_tokens": 10**6}), Replica("b"), Replica("c")]
+    assert [route(router, reps, pending(1)) for _ in range(6)] == ["a", "b", "c", "a", "b", "c"]
+
+
+def test_a_named_replica_and_an_avoided_one():
+    router = make_router("least-tokens")
+    a, b = Replica("a"), Replica("b", {"pending_tokens": 10**6})
+    assert choose(router, [a, b], pending(method="release", replica="b")) == "b"
+    assert asyncio.run(router.choose_replicas([a], pending(replica="b"))) == [[]]  # gone: nowhere
+    assert choose(router, [a, b], pending(1, avoid=["a"])) == "b"
+    assert choose(router, [a], pending(1, avoid=["a"])) == "a"  # all avoided: any
