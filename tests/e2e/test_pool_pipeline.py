@@ -25,7 +25,7 @@ EXE = str(pathlib.Path(sys.executable).parent / "prefill-server")
 
 def serve_pool(decode, log: pathlib.Path, *flags: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([EXE, "serve", "--model", decode.model, "--port", "0", "--workers", "2",
-                             "--decode-url", decode.url, "--dtype", "float32", "--kv-cache-gib", "0.1", *flags],
+                             "--decode-url", decode.url, "--dtype", "float32", "--kv-cache-gib", "0.3", *flags],
                             stdout=subprocess.PIPE, stderr=open(log, "wb"), text=True, start_new_session=True)
     line = proc.stdout.readline()
     m = re.search(r"listening on (http://\S+)", line)
