@@ -227,7 +227,7 @@ class RayPool:
 
     def _running_ids(self) -> set[str]:
         r = self._router()
-        return {w["worker"] for w in r.workers()} if r else set()
+        return r.running_ids() if r else set()
 
     def workers(self) -> list[dict[str, Any]]:
         """Each running worker and its load (GET /v1/pool), plus the count of those starting or
@@ -240,9 +240,10 @@ class RayPool:
                 "replica_states": self._replica_states(), "workers": self.workers()}
 
     def load(self) -> WorkerLoad:
-        stats = [w["stats"] for w in self.workers() if w["stats"]]
+        workers = self.workers()
+        stats = [w["stats"] for w in workers if w["stats"]]
         return WorkerLoad(waiting=sum(s.get("waiting", 0) for s in stats), running=sum(s.get("running", 0) for s in stats),
-                          pending_tokens=sum(w["outstanding_tokens"] for w in self.workers()),
+                          pending_tokens=sum(w["outstanding_tokens"] for w in workers),
                           free_blocks=sum(s.get("free_blocks", 0) for s in stats),
                           total_blocks=sum(s.get("total_blocks", 0) for s in stats), block_size=self.block_size,
                           tokens_per_s=sum(s.get("tokens_per_s") or 0.0 for s in stats) or None)
@@ -261,14 +262,13 @@ class RayPool:
 
     def render_metrics(self) -> bytes:
         texts: dict[str, bytes] = {}
-        ids = [w["worker"] for w in self.workers()]
-        futs = {w: asyncio.run_coroutine_threadsafe(self._metrics_of(w), self._loop) for w in ids}
+        pending = {w["worker"]: w["outstanding_tokens"] for w in self.workers()}
+        futs = {w: asyncio.run_coroutine_threadsafe(self._metrics_of(w), self._loop) for w in pending}
         for w, f in futs.items():
             try:
                 texts[w] = f.result(CALL_TIMEOUT_S)
             except Exception as e:  # noqa: BLE001 - a worker going away is not a metrics error
                 log.info("pool: no metrics from %s (%s)", w, type(e).__name__)
-        pending = {w["worker"]: w["outstanding_tokens"] for w in self.workers()}
         return pool_metrics.merge(self.metrics.render(), texts, pending)
 
     async def _metrics_of(self, worker: str) -> bytes:

@@ -65,6 +65,9 @@ class PrefillRouter(RequestRouter):
         sent = sum(self._sent.get(r.replica_id.unique_id, {}).values())
         return max(sent, int((r.routing_stats or {}).get("pending_tokens", 0)))
 
+    def running_ids(self) -> set[str]:
+        return {rid.unique_id for rid in list(self._replicas)}
+
     def workers(self) -> list[dict[str, Any]]:
         """Each running worker: its id, node and last reported load."""
         return [{"worker": r.replica_id.unique_id, "node_id": r.node_id, "outstanding_tokens": self.outstanding_tokens(r),

@@ -113,8 +113,9 @@ class LocalWorker(PrefillWorker):
         return [] if self.engine.alive() else ["the engine loop has stopped"]
 
     def pool_status(self) -> dict:
-        return {"routing": None, "workers": [{"worker": "local", "outstanding_tokens": self.load().pending_tokens,
-                                              "stats": asdict(self.load())}]}
+        load = self.load()
+        return {"routing": None, "workers": [{"worker": "local", "outstanding_tokens": load.pending_tokens,
+                                              "stats": asdict(load)}]}
 
 
 def context_len(config, fleet: tuple[DecodeFacts, ...]) -> int:

@@ -13,13 +13,12 @@ import uvicorn
 
 from kv_transfer.vllm import discovery
 from kv_transfer.vllm.discovery import DecodeFacts
-from prefill_server.backends import backend_for, first_token_mode
+from prefill_server.backends import TransferBackend, backend_for, first_token_mode
 from prefill_server.config import EngineConfig, ServerConfig
 from prefill_server.engine.worker import build_local_worker
 from prefill_server.serving.grpc_server import start_grpc
 from prefill_server.serving.http import create_app
 from prefill_server.serving.auth import ApiKeys, load_api_key
-from prefill_server.backends import TransferBackend
 from prefill_server.serving.decode_client import DecodeClient
 from prefill_server.serving.decodes import Decode, DecodeSet
 from prefill_server.serving.service import ModelInfo, PrefillService
