@@ -47,8 +47,9 @@ cache_dtype / get_resolved_kv_cache_layout()``, ``kv_transfer_config.kv_connecto
 the classmethod hook ``get_required_kvcache_layout``; the per-layer cache views
 ``register_kv_caches`` gets (logical ``[B, H, N, 2D]``, strides of a ``KVCacheLayout``);
 ``current_platform.is_cpu()``
-and ``current_platform.pack_kv_cache(cache, indices)`` (CPU decode only). Checked against vLLM
-0.32.0 (tests/e2e/test_connector_pipeline.py).
+and ``current_platform.pack_kv_cache(cache, indices)`` (CPU decode only); the classmethod
+``supports_sleep_mode(kv_transfer_config)`` that vLLM 0.33 added. Checked against vLLM 0.32.0
+(tests/e2e/test_connector_pipeline.py).
 """
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ from kv_transfer.receiver import PushReceiver
 from kv_transfer.wire import PARAMS_KEY
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import KVTransferConfig, VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.request import Request
 
@@ -172,6 +173,13 @@ class PrefillServerConnector(KVConnectorBase_V1):
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
         name = extra.get("kv_cache_layout", wire.PLAIN_PAGE)
         return None if name == "auto" else layout.canonical(name)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """No (vLLM 0.33+ asks before it lets a decode run ``--enable-sleep-mode``; 0.32 never
+        calls it). Sleep remaps the KV cache while our receiver keeps it registered with NIXL and
+        the prefill keeps WRITE targets in it; we have no unregister/restore."""
+        return False
 
     # ================================================================ scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -1,7 +1,8 @@
 """Impersonate a stock vLLM ``NixlConnector`` producer (pull mode): the side channel that answers a
 decode's handshake with our NIXL metadata, the leases of published blocks, and the notifications
-that end them. The wire facts of the vLLM version served (structs, hash, params) are
-``kv_transfer.vllm.v0_32``'s.
+that end them. The wire facts are ``kv_transfer.vllm.nixl_wire``'s; each decode's vLLM version
+brings its own ``NixlWire`` (``DecodeInfo.wire``: hash factors, params), so one producer serves
+decodes of every version we speak (``kv_transfer.vllm.nixl_versions``) at once.
 
 Freeing: blocks are leased on ``publish``; the lease ends on the decode's ``"{rid}:{n}"`` (after n
 of them), on ``abort``, or on expiry (default 30 s like vLLM; each heartbeat extends it to at least
@@ -29,8 +30,9 @@ from kv_transfer.base import KVPages, LeaseProducer, ProducerStats, Route, Stats
 from kv_transfer.nixl import NixlAgent
 from kv_transfer.router_socket import RouterSocket
 from kv_transfer.vllm.discovery import CPU_BACKEND
-from kv_transfer.vllm.v0_32 import (DEFAULT_LEASE_TTL_S, GET_META_MSG, PLAIN_PAGE_BACKEND, DecodeInfo,
-                                    NixlHandshakePayload, build_agent_metadata, compatibility_hash)
+from kv_transfer.vllm.nixl_decode import DecodeInfo
+from kv_transfer.vllm.nixl_wire import (DEFAULT_LEASE_TTL_S, GET_META_MSG, PLAIN_PAGE_BACKEND, NixlHandshakePayload,
+                                        build_agent_metadata, compatibility_hash)
 from prefill_server.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -45,7 +47,8 @@ class _Entry:
 
 @dataclass
 class _Channel:
-    """One side-channel socket: decodes sharing a compatibility hash share one port."""
+    """One side-channel socket: decodes sharing a compatibility hash share one port (and so one
+    vLLM version: the hash carries it)."""
 
     decode: DecodeInfo
     host: str
@@ -55,12 +58,22 @@ class _Channel:
 
 
 class NixlCompatProducer(LeaseProducer):
-    """The pull-mode producer a stock vLLM 0.32 NixlConnector decode reads from.
+    """The pull-mode producer a stock vLLM NixlConnector decode reads from (any version of
+    ``nixl_versions``; each decode's ``DecodeInfo.wire`` says which).
 
-    ``decode``: the decode(s) this producer serves; decodes whose compatibility hashes differ get
-    one side-channel port each (the handshake request does not say who asks). ``host`` is the
-    address advertised to decodes (``remote_host``), ``bind_host`` the one bound (default: host),
-    ``port`` the first side-channel port (0 = any free port)."""
+    ``decode``: the decode(s) this producer serves; decodes whose compatibility hashes differ (a
+    0.32 and a 0.33 decode always do) get one side-channel port each (the handshake request does
+    not say who asks). ``host`` is the address advertised to decodes (``remote_host``),
+    ``bind_host`` the one bound (default: host), ``port`` the first side-channel port (0 = any
+    free port).
+
+    ``engine_id``: a decode caches the NIXL agent it loaded for an engine id. Without one, each
+    ``start()`` takes a fresh id. With a fixed one, ``start()`` after ``stop()`` registers the pool
+    again (a new agent) under the same id, so ``registration_generation`` rises by one on every
+    ``start()`` (1 after the first, as a vLLM prefill publishes) and ``publish`` hands it to
+    0.33+ decodes as ``remote_registration_generation``: a decode that saw a lower one drops the
+    stale agent and handshakes again. A 0.32 decode has no such field: keep ``engine_id`` unset
+    behind 0.32 decodes if the producer may restart."""
 
     routes = frozenset({Route.LEASE})
 
@@ -89,6 +102,7 @@ class NixlCompatProducer(LeaseProducer):
         self._fixed_engine_id = engine_id
         self.engine_id = engine_id or f"prefill-{uuid.uuid4()}"
         self._ever_started = False
+        self.registration_generation = 0  # rises with every registration of the pool (start())
         self.poll_interval_s, self.idle_poll_interval_s = poll_interval_s, idle_poll_interval_s
         self.expiry_interval_s = expiry_interval_s
         # NIXL's own progress thread polls without pause (a core per agent); on a CPU pool our
@@ -124,6 +138,7 @@ class NixlCompatProducer(LeaseProducer):
         self._agent = NixlAgent(self.engine_id, progress_thread=self.progress_thread)
         try:
             self._agent.register(self.pool.kv)
+            self.registration_generation += 1
             meta = build_agent_metadata(self.pool, self.engine_id, self._agent.metadata(),
                                         self.advertised_backend)
             meta_bytes = msgspec.msgpack.encode(meta)
@@ -135,11 +150,12 @@ class NixlCompatProducer(LeaseProducer):
             self._close_transport()
             raise
         self._stop.clear()
-        self._thread = threading.Thread(target=self._serve, name="kv-producer-vllm-0.32", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name="kv-producer-vllm-nixl", daemon=True)
         self._started = True
         self._thread.start()
-        log.info("vLLM 0.32 NIXL producer %s serving side channel(s) %s", self.engine_id,
-                 [f"{c.host}:{c.port}" for c in self._channels.values()])
+        log.info("vLLM NIXL producer %s (registration %d) serving side channel(s) %s", self.engine_id,
+                 self.registration_generation,
+                 [f"{c.host}:{c.port} (vLLM {c.decode.vllm_version})" for c in self._channels.values()])
 
     def stop(self) -> None:
         if not self._started:
@@ -172,9 +188,10 @@ class NixlCompatProducer(LeaseProducer):
     def publish(self, request_id: str, block_ids: Sequence[int], num_tokens: int, *,
                 decode_url: str | None = None, cached_tokens: int = 0) -> dict[str, Any]:
         """Lease ``block_ids`` (the KV of ``num_tokens`` prompt tokens, and any room the engine
-        left past them) and return the ``kv_transfer_params`` that offer them all to a decode.
+        left past them) and return the ``kv_transfer_params`` that offer them all to a decode,
+        in the form its vLLM version reads (``decode_url``'s; default: the first decode's).
         The decode allocates blocks for its whole prompt and asserts that the prefill offers as
-        many: fit the params to the prompt it is sent with ``params_for_prompt``."""
+        many: fit the params to the prompt it is sent with ``nixl_wire.params_for_prompt``."""
         if not self._started:
             raise RuntimeError("NixlCompatProducer.publish before start()")
         check_request_id(request_id)
@@ -199,22 +216,10 @@ class NixlCompatProducer(LeaseProducer):
             self._finished.pop(request_id, None)
             self._stats.add(published_total=1, bytes_offered_total=nbytes)
             self._stats.set(active_leases=len(self._entries))
-        return {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_block_ids": [blocks],
-            "remote_engine_id": self.engine_id,
-            "remote_request_id": request_id,
-            "remote_host": ch.host,
-            "remote_port": ch.port,
-            "tp_size": 1,
-            "dcp_size": 1,
-            "pp_size": 1,
-            "remote_num_tokens": num_tokens,
-            "remote_blocks_expiry_time": None,
-            "transfer_mode": "pull",
-            "remote_prefill_cached_tokens": cached_tokens,
-        }
+        return ch.decode.wire.producer_params(
+            engine_id=self.engine_id, request_id=request_id, block_ids=blocks, host=ch.host, port=ch.port,
+            num_tokens=num_tokens, cached_tokens=cached_tokens,
+            registration_generation=self.registration_generation)
 
     def abort(self, request_id: str, reason: str = "", on_idle: Callable[[], None] | None = None) -> bool:
         ended = self._end(request_id, TransferState.ABORTED)

@@ -13,8 +13,9 @@ import zmq
 
 from kv_transfer.base import TransferState
 from kv_transfer.nixl import NixlAgent
-from kv_transfer.vllm import v0_32
+from kv_transfer.vllm import nixl_wire, v0_32
 from kv_transfer.vllm.nixl_compat import NixlCompatProducer
+from kv_transfer.vllm.nixl_decode import DecodeInfo
 from prefill_server.engine.kv_pool import KVPool
 
 
@@ -98,7 +99,7 @@ class FakeVllmDecode:
         self.cache = torch.zeros_like(pool_like.kv)
         self.agent = NixlAgent(name)
         self.agent.register(self.cache)
-        self.meta: v0_32.NixlAgentMetadata | None = None
+        self.meta: nixl_wire.NixlAgentMetadata | None = None
         self.peer = ""
 
     def handshake(self, host: str, port: int) -> str:
@@ -108,13 +109,13 @@ class FakeVllmDecode:
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(f"tcp://{host}:{port}")
         try:
-            sock.send(msgspec.msgpack.encode((v0_32.GET_META_MSG, 0, 0)))
+            sock.send(msgspec.msgpack.encode((nixl_wire.GET_META_MSG, 0, 0)))
             payload_bytes, _ts = sock.recv_multipart()
         finally:
             sock.close()
             ctx.term()
-        payload = msgspec.msgpack.Decoder(v0_32.NixlHandshakePayload).decode(payload_bytes)
-        self.meta = msgspec.msgpack.Decoder(v0_32.NixlAgentMetadata).decode(payload.agent_metadata_bytes)
+        payload = msgspec.msgpack.Decoder(nixl_wire.NixlHandshakePayload).decode(payload_bytes)
+        self.meta = msgspec.msgpack.Decoder(nixl_wire.NixlAgentMetadata).decode(payload.agent_metadata_bytes)
         self.peer = self.agent.add_remote(self.meta.agent_metadata)
         return payload.compatibility_hash
 
@@ -135,7 +136,7 @@ class FakeVllmDecode:
 
 def test_producer_serves_a_fake_vllm_decode():
     pool = KVPool(3, 12, 2, 16, 8, torch.float32)
-    info = v0_32.DecodeInfo(url="http://d", vllm_version="0.32.0", model="/m", served_model_name="m",
+    info = DecodeInfo(wire=v0_32.WIRE, url="http://d", vllm_version="0.32.0", model="/m", served_model_name="m",
                             attn_backend_name="CPU_ATTN", block_size=16)
     with NixlCompatProducer(pool, info, expiry_interval_s=0.05) as prod:
         decode = FakeVllmDecode("fake-decode", pool)
@@ -144,7 +145,7 @@ def test_producer_serves_a_fake_vllm_decode():
             pool.kv[:, blocks] = torch.randn(3, 3, 2, 16, 16)
             params = prod.publish("rq", blocks, 40)
             assert decode.handshake(params["remote_host"], params["remote_port"]) == \
-                v0_32.compatibility_hash(info.factors(pool))
+                nixl_wire.compatibility_hash(info.factors(pool))
             # the decode heartbeats while queued, then reads into its own blocks 5, 6, 7
             decode.agent.send_notif(decode.peer, b"HB:rq")
             t0 = time.monotonic()

@@ -13,18 +13,19 @@ import zmq
 
 from decode_side import wait_until
 from kv_transfer.base import TransferState
-from kv_transfer.vllm import v0_32
+from kv_transfer.vllm import nixl_versions, nixl_wire, v0_32, v0_33
 from kv_transfer.vllm.nixl_compat import NixlCompatProducer
+from kv_transfer.vllm.nixl_decode import DecodeInfo
 from prefill_server.engine.kv_pool import KVPool
 from prefill_server.errors import DecodeUnavailable, InvalidRequest
 
 L, NB, H, BS, D = 2, 16, 2, 16, 8
 
 
-def decode_info(**kw) -> v0_32.DecodeInfo:
+def decode_info(**kw) -> DecodeInfo:
     base = dict(url="http://decode:8000", vllm_version="0.32.0", model="/models/m", served_model_name="m",
                 attn_backend_name="CPU_ATTN", block_size=32)
-    return v0_32.DecodeInfo(**{**base, **kw})
+    return DecodeInfo(wire=v0_32.WIRE, **{**base, **kw})
 
 
 @pytest.fixture()
@@ -67,20 +68,20 @@ def test_side_channel_answers_get_meta(producer, pool):
     sock.connect(f"tcp://127.0.0.1:{producer.side_channel_ports[0]}")
     try:
         junk = [msgspec.msgpack.encode(("not_a_command", 0, 0)), b"", b"\xc1", msgspec.msgpack.encode(7),
-                msgspec.msgpack.encode((v0_32.GET_META_MSG, 0)), msgspec.msgpack.encode((v0_32.GET_META_MSG, 1, 0)),
+                msgspec.msgpack.encode((nixl_wire.GET_META_MSG, 0)), msgspec.msgpack.encode((nixl_wire.GET_META_MSG, 1, 0)),
                 b"\x91" * 100_000 + b"\xc0"]  # (the last: msgspec raises RecursionError)
         for body in junk:  # each answered with an empty payload, none fatal
             sock.send(body)
             assert sock.recv_multipart()[0] == b"", body[:16]
-        sock.send(msgspec.msgpack.encode((v0_32.GET_META_MSG, 0, 0)))
+        sock.send(msgspec.msgpack.encode((nixl_wire.GET_META_MSG, 0, 0)))
         frames = sock.recv_multipart()
     finally:
         sock.close()
         ctx.term()
     assert len(frames) == 2 and isinstance(msgspec.msgpack.decode(frames[1]), float)
-    payload = msgspec.msgpack.Decoder(v0_32.NixlHandshakePayload).decode(frames[0])
-    assert payload.compatibility_hash == v0_32.compatibility_hash(decode_info().factors(pool))
-    meta = msgspec.msgpack.Decoder(v0_32.NixlAgentMetadata).decode(payload.agent_metadata_bytes)
+    payload = msgspec.msgpack.Decoder(nixl_wire.NixlHandshakePayload).decode(frames[0])
+    assert payload.compatibility_hash == nixl_wire.compatibility_hash(decode_info().factors(pool))
+    meta = msgspec.msgpack.Decoder(nixl_wire.NixlAgentMetadata).decode(payload.agent_metadata_bytes)
     assert meta.engine_id == producer.engine_id and meta.agent_metadata
     assert meta.kv_caches_base_addr == [pool.layer_base_addr(i) for i in range(L)]
     assert meta.attn_backend_name == "FLASH_ATTN"
@@ -231,27 +232,31 @@ def fake_vllm():
 def test_discover_decode(fake_vllm):
     url, routes = fake_vllm
     with pytest.raises(InvalidRequest, match="attention backend"):
-        v0_32.discover_decode(url)
-    info = v0_32.discover_decode(url, attn_backend_name="CPU_ATTN")
+        nixl_versions.discover_decode(url)
+    info = nixl_versions.discover_decode(url, attn_backend_name="CPU_ATTN")
     assert (info.model, info.served_model_name, info.block_size, info.max_model_len) == ("/models/m", "served",
                                                                                          32, 4096)
     routes["/server_info?config_format=json"] = {"vllm_config": {
         "device_config": {"device": "cpu"}, "attention_config": {"backend": None},
         "model_config": {"dtype": "torch.float32"}, "cache_config": {"block_size": 64}}}
-    info = v0_32.discover_decode(url)
+    info = nixl_versions.discover_decode(url)
     assert info.attn_backend_name == "CPU_ATTN" and info.dtype == "torch.float32" and info.block_size == 32
 
 
 def test_discover_refuses_unknown_versions(fake_vllm):
     url, routes = fake_vllm
-    routes["/version"] = {"version": "0.33.0"}
-    with pytest.raises(InvalidRequest, match="0.33.0"):
+    routes["/version"] = {"version": "0.33.1"}
+    assert nixl_versions.discover_decode(url, attn_backend_name="CPU_ATTN").wire is v0_33.WIRE
+    with pytest.raises(InvalidRequest, match="0.33.1"):  # (what callers of v0_32's own get)
         v0_32.discover_decode(url, attn_backend_name="CPU_ATTN")
+    routes["/version"] = {"version": "0.34.0"}
+    with pytest.raises(InvalidRequest, match=r"0\.34\.0.*0\.32\.x, 0\.33\.x"):
+        nixl_versions.discover_decode(url, attn_backend_name="CPU_ATTN")
 
 
 def test_discover_unreachable():
     with pytest.raises(DecodeUnavailable):
-        v0_32.discover_decode("http://127.0.0.1:9", attn_backend_name="CPU_ATTN", timeout_s=1.0)
+        nixl_versions.discover_decode("http://127.0.0.1:9", attn_backend_name="CPU_ATTN", timeout_s=1.0)
 
 
 def test_params_for_prompt_offer_as_many_blocks_as_the_decode_allocates(producer, pool):
@@ -261,9 +266,9 @@ def test_params_for_prompt_offer_as_many_blocks_as_the_decode_allocates(producer
     blocks = pool.allocate(3)  # 32 prompt tokens (2 blocks of 16) and room for one more
     params = producer.publish("room", blocks, 32)
     assert params["remote_block_ids"] == [blocks] and params["remote_num_tokens"] == 32
-    assert v0_32.params_for_prompt(params, 33, BS)["remote_block_ids"] == [blocks]
-    alone = v0_32.params_for_prompt(params, 32, BS)
+    assert nixl_wire.params_for_prompt(params, 33, BS)["remote_block_ids"] == [blocks]
+    alone = nixl_wire.params_for_prompt(params, 32, BS)
     assert alone["remote_block_ids"] == [blocks[:2]] and alone["remote_num_tokens"] == 32
     assert params["remote_block_ids"] == [blocks]  # (a copy: the published params are unchanged)
     with pytest.raises(ValueError, match="needs 4 blocks"):
-        v0_32.params_for_prompt(params, 49, BS)
+        nixl_wire.params_for_prompt(params, 49, BS)

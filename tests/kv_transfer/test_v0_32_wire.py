@@ -11,7 +11,8 @@ import msgspec
 import pytest
 import torch
 
-from kv_transfer.vllm import v0_32
+from kv_transfer.vllm import nixl_wire, v0_32
+from kv_transfer.vllm.nixl_decode import DecodeInfo
 from prefill_server.engine.kv_pool import KVPool
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -50,33 +51,33 @@ def run_reference(cmd: str, stdin: bytes) -> str:
 
 @pytest.mark.parametrize("factors,expected", HASH_CASES)
 def test_hash_matches_vllm_constants(factors, expected):
-    assert v0_32.compatibility_hash(v0_32.compatibility_factors(**factors)) == expected
+    assert nixl_wire.compatibility_hash(v0_32.WIRE.factors(**factors)) == expected
 
 
 def test_hash_changes_with_every_factor():
     base = HASH_CASES[0][0]
-    h0 = v0_32.compatibility_hash(v0_32.compatibility_factors(**base))
+    h0 = nixl_wire.compatibility_hash(v0_32.WIRE.factors(**base))
     for key, other in [("model", "/x"), ("dtype", "torch.bfloat16"), ("num_kv_heads", 4),
                        ("attn_backend_name", "FLASH_ATTN"), ("is_hma_enabled", False),
                        ("transfer_mode", "push")]:
-        assert v0_32.compatibility_hash(v0_32.compatibility_factors(**{**base, key: other})) != h0, key
+        assert nixl_wire.compatibility_hash(v0_32.WIRE.factors(**{**base, key: other})) != h0, key
 
 
 def test_decode_info_factors_take_geometry_from_pool():
     pool = KVPool(30, 4, 3, 32, 64, torch.float32)
-    info = v0_32.DecodeInfo(url="http://d", vllm_version="0.32.0", model="/work/main/.cache/e2e/smollm2-hf",
+    info = DecodeInfo(wire=v0_32.WIRE, url="http://d", vllm_version="0.32.0", model="/work/main/.cache/e2e/smollm2-hf",
                             served_model_name="x", attn_backend_name="CPU_ATTN", block_size=32)
-    assert v0_32.compatibility_hash(info.factors(pool)) == HASH_CASES[0][1]
+    assert nixl_wire.compatibility_hash(info.factors(pool)) == HASH_CASES[0][1]
 
 
-def make_metadata() -> v0_32.NixlAgentMetadata:
+def make_metadata() -> nixl_wire.NixlAgentMetadata:
     pool = KVPool(3, 5, 2, 16, 8, torch.float32)
-    return v0_32.build_agent_metadata(pool, "engine-1", b"\x00agent-blob\xff")
+    return nixl_wire.build_agent_metadata(pool, "engine-1", b"\x00agent-blob\xff")
 
 
 def test_metadata_geometry():
     pool = KVPool(3, 5, 2, 16, 8, torch.float32)
-    m = v0_32.build_agent_metadata(pool, "e", b"md")
+    m = nixl_wire.build_agent_metadata(pool, "e", b"md")
     assert m.kv_caches_base_addr == [pool.kv.data_ptr() + i * 5 * pool.block_bytes for i in range(3)]
     assert m.block_lens == m.block_strides == [2 * 16 * 2 * 8 * 4] * 3
     assert m.region_names == [f"model.layers.{i}.self_attn.attn" for i in range(3)]
@@ -86,15 +87,15 @@ def test_metadata_geometry():
 
 def test_metadata_roundtrip_in_process():
     m = make_metadata()
-    payload = msgspec.msgpack.encode(v0_32.NixlHandshakePayload("abc", msgspec.msgpack.encode(m)))
-    p = msgspec.msgpack.Decoder(v0_32.NixlHandshakePayload).decode(payload)
+    payload = msgspec.msgpack.encode(nixl_wire.NixlHandshakePayload("abc", msgspec.msgpack.encode(m)))
+    p = msgspec.msgpack.Decoder(nixl_wire.NixlHandshakePayload).decode(payload)
     assert p.compatibility_hash == "abc"
-    assert msgspec.msgpack.Decoder(v0_32.NixlAgentMetadata).decode(p.agent_metadata_bytes) == m
+    assert msgspec.msgpack.Decoder(nixl_wire.NixlAgentMetadata).decode(p.agent_metadata_bytes) == m
 
 
 def test_metadata_is_a_map_with_vllm_field_names():
     raw = msgspec.msgpack.decode(msgspec.msgpack.encode(make_metadata()))
-    assert list(raw) == list(v0_32.NixlAgentMetadata.__struct_fields__)
+    assert list(raw) == list(nixl_wire.NixlAgentMetadata.__struct_fields__)
     assert raw["ssm_sizes"] == [0, 0] and raw["packed_member_layouts"] == {}
 
 
@@ -103,7 +104,7 @@ def test_against_vllm_code_live():
     """vLLM's own hash function, decoders and encoder agree with ours (one .venv-vllm process)."""
     needs_vllm()
     m = make_metadata()
-    payload = msgspec.msgpack.encode(v0_32.NixlHandshakePayload("h", msgspec.msgpack.encode(m)))
+    payload = msgspec.msgpack.encode(nixl_wire.NixlHandshakePayload("h", msgspec.msgpack.encode(m)))
     ours = {k: (v.hex() if isinstance(v, bytes) else v) for k, v in msgspec.structs.asdict(m).items()}
     ours["ssm_sizes"] = list(ours["ssm_sizes"])
     got = json.loads(run_reference("all", json.dumps(
