@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 class TransferBackend(ABC):
     name: ClassVar[str]
     needs_decode: ClassVar[bool] = True
+    # answers a PD router's request to its prefill (kv_transfer_params.do_remote_decode) with the
+    # params a stock vLLM decode reads (serving/prefill_instance.py)
+    serves_pd_routers: ClassVar[bool] = False
     # --first-token auto: who samples a greedy request's first token ("prefill" | "decode")
     auto_first_token: ClassVar[str] = "decode"
 
@@ -66,6 +69,7 @@ class TransferBackend(ABC):
 
 class NixlCompatBackend(TransferBackend):
     name = "nixl-compat"
+    serves_pd_routers = True
     auto_first_token = "prefill"  # the decode then computes exactly what vLLM alone computes (bf16)
 
     def __init__(self, config: NixlCompatConfig):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 TRANSFER_MODES = ("nixl-compat", "connector", "local")
@@ -53,10 +54,18 @@ class NixlCompatConfig:
     """Transfer mode nixl-compat: we impersonate a stock vLLM NixlConnector producer."""
 
     decode_attn_backend: str | None = None  # the decode's attention backend (hashed); None: read from it
+    # a pure prefill instance (no --decode-url: a PD router pairs us with its decodes) declares them:
+    decode_vllm_version: str = "0.32.0"  # their vLLM version (hashed)
+    decode_model: str | None = None  # their --model string (hashed); None: --served-model-name, else --model
 
     def validate(self) -> None:
         if self.decode_attn_backend is not None and not self.decode_attn_backend.strip():
             raise ValueError("--decode-attn-backend must name a backend, e.g. FLASH_ATTN or CPU_ATTN")
+        if not re.fullmatch(r"\d+\.\d+\.\d+\S*", str(self.decode_vllm_version)):
+            raise ValueError(f"--decode-vllm-version must be a vLLM version such as 0.32.0, not "
+                             f"{self.decode_vllm_version!r}")
+        if self.decode_model is not None and not str(self.decode_model).strip():
+            raise ValueError("--decode-model must be the decodes' --model string, e.g. meta-llama/Llama-3.1-8B")
 
 
 @dataclass(frozen=True)
@@ -185,8 +194,9 @@ class ServerConfig:
         if self.pool.enabled and self.side_channel_port:
             raise ValueError("--side-channel-port must be 0 with a worker pool: each worker listens on a "
                              "free port of its node and tells the decode in kv_transfer_params")
-        if self.transfer_mode != "local" and not self.decode_urls:
-            raise ValueError(f"--transfer-mode {self.transfer_mode} needs --decode-url")
+        if self.transfer_mode == "connector" and not self.decode_urls:
+            raise ValueError("--transfer-mode connector needs --decode-url (without one, nixl-compat serves "
+                             "as a prefill instance behind a PD router)")
         seen: set[str] = set()
         for url in self.decode_urls:
             if not isinstance(url, str) or not url.startswith(("http://", "https://")):

@@ -47,3 +47,8 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def escape_label(v: str) -> str:
+    """A Prometheus label value, escaped for the text exposition format."""
+    return str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')

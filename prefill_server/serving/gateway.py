@@ -25,9 +25,10 @@ from dataclasses import dataclass
 import httpx
 
 from prefill_server.engine.worker import PrefillResult, Route, SamplingParams
-from prefill_server.errors import DecodeNotReached, DecodeUnavailable, PrefillError, PromptTooLong
+from prefill_server.errors import DecodeNotReached, DecodeUnavailable, InvalidRequest, PrefillError, PromptTooLong
 from prefill_server.serving import first_token as ft
 from prefill_server.serving import openai_schema as schema
+from prefill_server.serving import prefill_instance as pi
 from prefill_server.serving.decodes import Assignment, DecodeSet
 from prefill_server.serving.service import PrefillService
 
@@ -86,33 +87,52 @@ class Gateway:
         self.metrics = service.metrics
 
     # ---- entry points ----
-    async def completion(self, raw: dict) -> Answer | Stream:
+    async def completion(self, raw: dict, tag: str | None = None) -> Answer | Stream:
+        """``tag``: the caller's request id (HTTP ``X-Request-Id``), for the logs."""
         outcome = _Outcome(self.metrics)
-        return await self._counted(self._completion(raw, outcome), outcome)
+        return await self._counted(self._completion(raw, outcome, tag), outcome)
 
-    async def chat(self, raw: dict) -> Answer | Stream:
+    async def chat(self, raw: dict, tag: str | None = None) -> Answer | Stream:
         outcome = _Outcome(self.metrics)
-        return await self._counted(self._chat(raw, outcome), outcome)
+        return await self._counted(self._chat(raw, outcome, tag), outcome)
 
-    async def _completion(self, raw: dict, outcome: _Outcome) -> Answer | Stream:
+    async def _completion(self, raw: dict, outcome: _Outcome, tag: str | None) -> Answer | Stream:
         svc = self.service
         body = schema.parse(schema.CompletionBody, raw)
+        remote_decode = self._wants_remote_decode(raw)
         svc.check_model(body.model)
         token_ids = await svc.encode_prompt_async(schema.single_prompt(body.prompt))
         self._check_fits(len(token_ids), body.max_tokens)
+        if remote_decode:
+            return await self._as_prefill_instance(False, raw, token_ids, _sampling(body), body.stream, outcome, tag)
         out = dict(raw, prompt=token_ids)  # the decode gets exactly the tokens we prefilled
         return await self._run("/v1/completions", out, token_ids, _sampling(body), body.stream,
-                               self._plan("completion", raw), outcome)
+                               self._plan("completion", raw), outcome, tag)
 
-    async def _chat(self, raw: dict, outcome: _Outcome) -> Answer | Stream:
+    async def _chat(self, raw: dict, outcome: _Outcome, tag: str | None) -> Answer | Stream:
         svc = self.service
         body = schema.parse(schema.ChatBody, raw)
+        remote_decode = self._wants_remote_decode(raw)
         svc.check_model(body.model)
         kwargs = {"tools": body.tools} if body.tools else {}
         token_ids = await svc.encode_chat_async(schema.chat_messages(body), **kwargs)
         self._check_fits(len(token_ids), body.max_completion_tokens or body.max_tokens)
+        if remote_decode:
+            return await self._as_prefill_instance(True, raw, token_ids, _sampling(body), body.stream, outcome, tag)
         return await self._run("/v1/chat/completions", dict(raw), token_ids, _sampling(body), body.stream,
-                               self._plan("chat", raw), outcome)
+                               self._plan("chat", raw), outcome, tag)
+
+    def _wants_remote_decode(self, raw: dict) -> bool:
+        """A PD router's request to its prefill (``kv_transfer_params.do_remote_decode``), which
+        only a mode whose KV a stock vLLM decode reads can answer."""
+        if not pi.wants_remote_decode(raw):
+            return False
+        if not self.service.backend.serves_pd_routers:
+            raise InvalidRequest(f"kv_transfer_params.do_remote_decode asks for a prefill instance's answer "
+                                 f"(a PD router's request), which this server, in transfer mode "
+                                 f"{self.service.backend.name}, does not give: run it with --transfer-mode "
+                                 "nixl-compat", field="kv_transfer_params.do_remote_decode")
+        return True
 
     # ---- checks ----
     def _check_fits(self, n: int, max_tokens: int | None) -> None:
@@ -152,13 +172,50 @@ class Gateway:
         return answer
 
     # ---- the policy ----
+    async def _as_prefill_instance(self, chat: bool, raw: dict, token_ids: list[int], sampling: SamplingParams,
+                                   stream: bool, outcome: _Outcome, tag: str | None) -> Answer | Stream:
+        """Prefill, keep the KV under a lease for the router's decode, answer one token and the
+        kv_transfer_params it forwards (``prefill_instance.py``)."""
+        svc = self.service
+        result = await svc.prefill(token_ids, sampling)
+        rid = result.request_id
+        try:
+            params = svc.params_for_prompt(result.kv_transfer_params, len(token_ids))
+            eos = result.first_token_id in svc.eos_token_ids
+            answer = pi.PrefillAnswer(chat, rid, svc.info.served_name,
+                                      "" if eos else svc.tokenizer.decode([result.first_token_id]),
+                                      "stop" if eos else "length", len(token_ids), result.num_cached_tokens, params)
+        except BaseException:
+            svc.release(rid)
+            raise
+        log.info("request %s%s: prefilled %d tokens as a prefill instance; KV leased for the router's decode",
+                 rid, f" (X-Request-Id {tag})" if tag else "", len(token_ids))
+        if not stream:
+            return Answer(answer.body())
+        include_usage = bool((raw.get("stream_options") or {}).get("include_usage"))
+
+        def on_end(sent: bool) -> None:
+            if not sent:  # the router never had the params: nobody will read the KV
+                svc.release(rid)
+                self.metrics.kv_failed.inc()
+            outcome.record("ok" if sent else "cancelled")
+        return Stream(pi.events(answer.chunks(include_usage), on_end))
+
     async def _run(self, path: str, out: dict, token_ids: list[int], sampling: SamplingParams, stream: bool,
-                   plan: ft.Plan | None, outcome: _Outcome) -> Answer | Stream:
+                   plan: ft.Plan | None, outcome: _Outcome, tag: str | None = None) -> Answer | Stream:
         svc, t0 = self.service, time.monotonic()
-        if self.decodes is None:  # transfer mode "local": answer with the first token only
+        if self.decodes is None:  # no decode to send it to: answer with the first token only
+            if svc.backend.needs_decode and (stream or _max_tokens(out) != 1):
+                raise InvalidRequest("this server is a prefill instance for a PD router (started without "
+                                     "--decode-url): send requests with kv_transfer_params.do_remote_decode=true "
+                                     "(as vllm-router, vLLM's proxy and llm-d do), or max_tokens=1 without "
+                                     "streaming for the first token alone; or start it with --decode-url",
+                                     field="kv_transfer_params")
             result = await svc.prefill(token_ids, sampling)
             svc.release(result.request_id)
             return Answer(_local_answer(svc, path, result))
+        if tag:
+            log.info("request with X-Request-Id %s: %d prompt tokens", tag, len(token_ids))
         # the decode first: none up fails before computing anything, and a pull-mode KV is
         # published for the decode that will read it
         decode = self.decodes.assign()
@@ -328,6 +385,11 @@ def _sampling(b: schema._Body) -> SamplingParams:
     return SamplingParams(temperature=b.temperature if b.temperature is not None else 1.0,
                           top_p=b.top_p if b.top_p is not None else 1.0,
                           top_k=b.top_k if b.top_k is not None else -1, seed=b.seed)
+
+
+def _max_tokens(body: dict) -> int | None:
+    n = body.get("max_completion_tokens") or body.get("max_tokens")
+    return n if isinstance(n, int) else None
 
 
 def _decode_outcome(status: int) -> str:

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from prefill_server.errors import InvalidRequest, PrefillError
+from prefill_server.serving import vllm_metrics
 from prefill_server.serving.auth import ApiKeys
 from prefill_server.serving.decode_client import DecodeClient
 from prefill_server.serving.decodes import DecodeSet
@@ -101,6 +102,18 @@ def _finite_float(text: str) -> float:
     return x
 
 
+_MAX_TAG_CHARS = 256
+
+
+def _request_tag(request: Request) -> str | None:
+    """The caller's ``X-Request-Id`` (vllm-router's are ~100 characters), printable and bounded,
+    for our logs; never used as our own request id."""
+    tag = request.headers.get("x-request-id")
+    if not tag:
+        return None
+    return "".join(c if c.isprintable() else "?" for c in tag[:_MAX_TAG_CHARS])
+
+
 def create_app(service: PrefillService, decodes: DecodeSet | DecodeClient | None, api_keys: ApiKeys | None = None,
                *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, decode_health_interval_s: float = 5.0,
                drain: asyncio.Event | None = None):
@@ -163,12 +176,13 @@ def create_app(service: PrefillService, decodes: DecodeSet | DecodeClient | None
             return await asyncio.to_thread(_parse_json, raw)
         return _parse_json(raw)
 
-    def reply(answer) -> Response:
+    def reply(answer, tag: str | None = None) -> Response:
+        headers = {"X-Request-Id": tag} if tag else None  # echoed, as vLLM does
         if not isinstance(answer, Answer):
-            return StreamingResponse(answer.events, media_type="text/event-stream")
+            return StreamingResponse(answer.events, media_type="text/event-stream", headers=headers)
         if isinstance(answer.body, dict):
-            return JSONResponse(answer.body, status_code=answer.status)
-        return Response(answer.body, answer.status, media_type="application/json")
+            return JSONResponse(answer.body, status_code=answer.status, headers=headers)
+        return Response(answer.body, answer.status, media_type="application/json", headers=headers)
 
     @app.get("/livez")
     async def livez():
@@ -203,14 +217,18 @@ def create_app(service: PrefillService, decodes: DecodeSet | DecodeClient | None
 
     @app.get("/metrics")
     async def prom():  # (a pool asks each worker: off the event loop)
-        return Response(await asyncio.to_thread(service.worker.render_metrics), media_type="text/plain; version=0.0.4")
+        def render() -> bytes:
+            return service.worker.render_metrics() + vllm_metrics.render(service.info, service.worker.load())
+        return Response(await asyncio.to_thread(render), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return reply(await gateway.completion(await read_json(request)))
+        tag = _request_tag(request)
+        return reply(await gateway.completion(await read_json(request), tag), tag)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return reply(await gateway.chat(await read_json(request)))
+        tag = _request_tag(request)
+        return reply(await gateway.chat(await read_json(request), tag), tag)
 
     return RequestGuard(app, max_body_bytes)

@@ -32,7 +32,7 @@ def build_service(ecfg: EngineConfig, scfg: ServerConfig,
     decodes as already discovered (else they are asked here, each waited for up to
     ``scfg.decode_wait_s``)."""
     backend = backend_for(scfg)
-    fleet = discover_fleet(scfg, backend, fleet)
+    fleet = discover_fleet(scfg, backend, fleet, ecfg)
     ecfg = follow_decode(ecfg, next((f for f in fleet if f.dtype), fleet[0] if fleet else None))
     if scfg.pool.enabled:  # workers on Ray (imported only then); started by worker.start()
         from prefill_server.cluster.pool import build_ray_pool
@@ -53,19 +53,47 @@ def build_service(ecfg: EngineConfig, scfg: ServerConfig,
 
 
 def discover_fleet(scfg: ServerConfig, backend: TransferBackend,
-                   fleet: DecodeFacts | tuple[DecodeFacts, ...] | None) -> tuple[DecodeFacts, ...]:
-    """The decodes' facts (asked now unless given), checked to take the same KV."""
+                   fleet: DecodeFacts | tuple[DecodeFacts, ...] | None,
+                   ecfg: EngineConfig | None = None) -> tuple[DecodeFacts, ...]:
+    """The decodes' facts (asked now unless given), checked to take the same KV. Without any
+    --decode-url: the facts the user declares for the decodes a PD router will pair us with."""
     if not backend.needs_decode:
         return ()
     if fleet is None:
+        if not scfg.decode_urls:
+            return (declared_decodes(ecfg or EngineConfig(), scfg),)
         return discovery.wait_for_all(scfg.decode_urls, scfg.decode_wait_s)
     fleet = (fleet,) if isinstance(fleet, DecodeFacts) else tuple(fleet)
     discovery.check_fleet(fleet)
     return fleet
 
 
-def decode_set(fleet: tuple[DecodeFacts, ...], backend: TransferBackend, scfg: ServerConfig, metrics) -> DecodeSet:
-    return DecodeSet([Decode(DecodeClient(f.url, scfg.decode_timeout_s), backend.decode_group(f)) for f in fleet],
+def declared_decodes(ecfg: EngineConfig, scfg: ServerConfig) -> DecodeFacts:
+    """A prefill instance's decodes as its flags declare them (vLLM's NIXL handshake hashes the
+    version, the --model string and the attention backend: a wrong one fails there, so say them)."""
+    from prefill_server.models.registry import resolve_model
+
+    nc = scfg.nixl_compat
+    model = nc.decode_model or scfg.served_model_name or ecfg.model or str(resolve_model(None))
+    on_cpu = ecfg.device == "cpu" or (ecfg.device == "auto" and not discovery.has_gpu())
+    backend = nc.decode_attn_backend or (discovery.CPU_BACKEND if on_cpu else "FLASH_ATTN")
+    facts = discovery.declared(vllm_version=nc.decode_vllm_version, model=model,
+                               served_model_name=scfg.served_model_name or model, attn_backend_name=backend,
+                               block_size=ecfg.block_size or None,
+                               dtype=None if ecfg.dtype == "auto" else ecfg.dtype)
+    log.info("prefill instance (no --decode-url): serving requests with kv_transfer_params.do_remote_decode "
+             "for decodes that run vLLM %s with --model %r and attention backend %s (a decode that differs "
+             "fails its NIXL handshake with 'compatibility hash mismatch': set --decode-vllm-version, "
+             "--decode-model, --decode-attn-backend)", facts.vllm_version, facts.model, facts.attn_backend_name)
+    return facts
+
+
+def decode_set(fleet: tuple[DecodeFacts, ...], backend: TransferBackend, scfg: ServerConfig, metrics) -> DecodeSet | None:
+    """The decodes this gateway sends requests to (none: a prefill instance behind a router)."""
+    reachable = [f for f in fleet if not f.declared]
+    if not reachable:
+        return None
+    return DecodeSet([Decode(DecodeClient(f.url, scfg.decode_timeout_s), backend.decode_group(f)) for f in reachable],
                      scfg.decode_health_interval_s, metrics)
 
 
@@ -108,7 +136,7 @@ def serve(ecfg: EngineConfig, scfg: ServerConfig) -> None:
     if scfg.protect_metrics and api_keys is None:
         raise ValueError("--protect-metrics needs an API key (--api-key-file, PREFILL_SERVER_API_KEY or --api-key)")
     backend = backend_for(scfg)
-    fleet = discover_fleet(scfg, backend, None)
+    fleet = discover_fleet(scfg, backend, None, ecfg)
     service = build_service(ecfg, scfg, fleet)
     service.worker.start()  # (a pool: Ray, and its first worker running)
     try:
@@ -119,7 +147,7 @@ def serve(ecfg: EngineConfig, scfg: ServerConfig) -> None:
     host, port = sock.getsockname()[:2]
 
     async def main() -> None:
-        decodes = decode_set(fleet, backend, scfg, service.metrics) if fleet else None
+        decodes = decode_set(fleet, backend, scfg, service.metrics)
         drain = asyncio.Event()
         app = create_app(service, decodes, api_keys, max_body_bytes=scfg.max_body_bytes, drain=drain)
         server = _Uvicorn(uvicorn.Config(app, log_level="warning", access_log=False,
@@ -158,7 +186,9 @@ def serve(ecfg: EngineConfig, scfg: ServerConfig) -> None:
                           + (" (TLS)" if scfg.grpc_tls_cert else ""), flush=True)
                 print(f"prefill-server listening on http://{url_host}:{port} (model {service.info.served_name}, "
                       f"transfer {scfg.transfer_mode}"
-                      + (f", decode {', '.join(scfg.decode_urls)}" if decodes else "") + ")", flush=True)
+                      + (f", decode {', '.join(scfg.decode_urls)}" if decodes else "")
+                      + (", prefill instance for PD routers" if backend.needs_decode and not decodes else "")
+                      + ")", flush=True)
             await task
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):
