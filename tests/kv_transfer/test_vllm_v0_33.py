@@ -10,6 +10,7 @@ code live (``vllm_v0_33_check.py`` in ``.venv-vllm033``, made by ``scripts/setup
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 
@@ -160,24 +161,28 @@ def test_a_decode_given_another_versions_wire_is_refused(pool):
 
 # ---------------------------------------------------------------- vLLM 0.33's own code, live
 @pytest.mark.slow
-def test_against_vllm_0_33_code_live(pool, tmp_path):
+def test_against_vllm_0_33_code_live(tmp_path):
     """In .venv-vllm033: vLLM 0.33.0's own hash for our factors, its msgspec structs reading our
     handshake, its NixlPullConnectorScheduler counting the tokens our params offer (and carrying
     our registration generation to its worker), its worker handshaking with our live side
     channel, and our connector's supports_sleep_mode under its base class."""
     if not VLLM033_PY.exists():
         pytest.skip(f"no {VLLM033_PY.parent.parent.name} (bash scripts/setup_vllm033.sh makes it)")
-    d = info("0.33.0", model=str(tmp_path / "model"), block_size=BS, dtype="torch.float32")
-    with NixlCompatProducer(pool, d, engine_id="prefill-033") as p:
-        blocks = pool.allocate(3)
+    # vLLM's CPU attention wants blocks of a multiple of 32 tokens and a head size it has kernels for
+    layers, blocks_, heads, bs, hd = 2, 8, 2, 32, 32
+    pool = KVPool(layers, blocks_, heads, bs, hd, torch.float32)
+    d = info("0.33.0", model=str(tmp_path / "model"), block_size=bs, dtype="torch.float32")
+    with NixlCompatProducer(pool, d, engine_id="prefill-033", lease_ttl_s=900) as p:
+        blocks = pool.allocate(2)
         params = p.publish("req-033", blocks, 40, decode_url=d.url)
-        request = {"model_dir": str(tmp_path / "model"), "geometry": dict(layers=L, kv_heads=H, head_dim=D,
-                                                                            block_size=BS, num_blocks=NB),
+        request = {"model_dir": str(tmp_path / "model"),
+                   "geometry": dict(layers=layers, kv_heads=heads, head_dim=hd, block_size=bs, num_blocks=blocks_),
                    "factors": d.factors(pool), "params": params, "num_prompt_tokens": 40,
                    "payload": msgspec.msgpack.encode(handshake(params["remote_port"])).hex(),
                    "hash_cases": [f for f, _ in HASH_CASES]}
+        env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_TARGET_DEVICE": "cpu"}  # (our connector's import)
         out = subprocess.run([str(VLLM033_PY), str(CHECK)], input=json.dumps(request).encode(),
-                             capture_output=True, timeout=540, cwd=str(REPO))
+                             capture_output=True, timeout=540, cwd=str(REPO), env=env)
         assert out.returncode == 0, out.stderr.decode()[-4000:]
         got = json.loads(out.stdout.decode().strip().splitlines()[-1])
 
@@ -193,4 +198,7 @@ def test_against_vllm_0_33_code_live(pool, tmp_path):
     assert got["supports_sleep_mode"] is False
     if got.get("worker_skipped"):
         pytest.skip(f"scheduler side checked; worker side not run: {got['worker_skipped']}")
-    assert got["worker"]["handshake"] == "ok", got["worker"]
+    w = got["worker"]
+    assert w["handshake"] == "ok", w
+    # the hash vLLM's worker computed for itself (and checked ours against) is the one we sent
+    assert (w["compat_hash"], w["backend"], w["layout"]) == (got["hash"], "CPU_ATTN", "LBHNC")
