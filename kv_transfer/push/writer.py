@@ -11,6 +11,10 @@ event (the layer's K/V are in the pages), builds the layer's descriptors (once p
 staging slot, then only the decode's layer base moves) and posts the WRITE with the notification
 "psv1 done rid l". So the GPU's queue never drains at a layer boundary: the poster waits while the
 next layers compute.
+
+Where the bytes go is the writer's ``target`` (``LayerTarget``): by default ``RegisterTarget``, the
+decode that sent our Register (``kv_transfer.wire``); SGLang decodes have their own
+(``kv_transfer.sglang.target``). The queue, the poster, the waits and the give-up are the same.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -52,17 +56,74 @@ class PushRequest:
     aborted_at: float = 0.0
     on_idle: list[Callable[[], None]] = field(default_factory=list)  # abort's callbacks, run once it ends
     cancel_acks: list[tuple[bytes, bytes]] = field(default_factory=list)  # (identity, nonce): Acks owed (no WRITE in flight)
+    gave_up: bool = False  # WRITEs were given up while in flight: they may still land in the decode's blocks
+
+
+class LayerTarget(Protocol):
+    """Where a request's layers go: the poster thread asks it for each layer's descriptors (after
+    the layer's K/V are ready; it may convert them first) and what to post them with."""
+
+    def layer_descs(self, p: PushRequest, layer: int, src_pages: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Coalesced Nx3 (addr, len, dev) (local, remote) descriptors of layer ``layer``."""
+
+    def remote_mem_type(self, p: PushRequest) -> str: ...
+
+    def notif(self, p: PushRequest, layer: int) -> bytes:
+        """The NIXL notification the WRITE carries (b"": none)."""
+
+
+class RegisterTarget:
+    """The decode that registered with our side channel (``p.reg``, a ``wire.Register``): our pool's
+    pages as they are, into its blocks in its page layout, notification "psv1 done rid l"."""
+
+    def __init__(self, pool: KVPages, geometry: wire.Geometry):
+        self.pool, self.geometry = pool, geometry
+
+    def remote_mem_type(self, p: PushRequest) -> str:
+        assert p.reg is not None
+        return p.reg.mem_type
+
+    def notif(self, p: PushRequest, layer: int) -> bytes:
+        return wire.done_notif(p.request_id, layer)
+
+    def layer_descs(self, p: PushRequest, layer: int, src_pages: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Coalesced (src, dst) descriptors of one layer, per the decode's page layout
+        (``kv_transfer.layout``). The runs depend only on the pages and the decode's block ids and
+        strides, not on the layer: built once per request and staging slot (the page
+        list object), then each layer only adds its base address on the decode."""
+        reg = p.reg
+        assert reg is not None
+        cached = p.descs.get(id(src_pages))
+        if cached is None or cached[0] is not src_pages:
+            first = reg.first_token // self.geometry.block_size
+            last = self.pool.blocks_needed(reg.num_tokens)
+            src_addr = (self.pool.kv.data_ptr()
+                        + np.asarray(src_pages[first:last], dtype=np.int64) * self.geometry.page_bytes)
+            dst_off = np.asarray(reg.block_ids[first:last], dtype=np.int64) * reg.block_stride
+            g = reg.geometry  # (its page layout and strides were checked at registration)
+            chunks = layout.page_chunks(layout.of_wire(g.page_layout, reg.layer_addrs, reg.block_stride,
+                                                       reg.head_stride, reg.token_stride, g))
+            src, dst_rel = layout.descs(src_addr, dst_off, chunks, device_id_of(self.pool.kv), reg.device_id)
+            cached = p.descs[id(src_pages)] = (src_pages, src, dst_rel)
+        dst = cached[2].copy()
+        dst[:, 0] += np.uint64(reg.layer_addrs[layer])
+        return cached[1], dst
 
 
 class LayerWriter:
     """``lock``: the producer's (it guards the requests and every NIXL agent call); ``lookup(rid)``:
     the producer's live request of that id, or None; ``fail(p, reason)``: fail a request and tell
-    its decode, keeping the entry for the engine to see."""
+    its decode, keeping the entry for the engine to see; ``target``: where the layers go (default:
+    ``RegisterTarget``)."""
 
-    def __init__(self, pool: KVPages, geometry: wire.Geometry, lock: threading.RLock, stats: StatsCounter,
+    def __init__(self, pool: KVPages, geometry: wire.Geometry | None, lock: threading.RLock, stats: StatsCounter,
                  transfer_timeout_s: float, lookup: Callable[[str], PushRequest | None],
-                 fail: Callable[[PushRequest, str], None]):
+                 fail: Callable[[PushRequest, str], None], target: LayerTarget | None = None):
         self.pool, self.geometry, self.stats = pool, geometry, stats
+        if target is None:
+            assert geometry is not None, "the default target (RegisterTarget) needs our pool's geometry"
+            target = RegisterTarget(pool, geometry)
+        self.target = target
         self.transfer_timeout_s = transfer_timeout_s
         self._lock, self._lookup, self._fail = lock, lookup, fail
         self._posted_cv = threading.Condition(lock)  # notified: a job queued, handled or dropped
@@ -80,13 +141,22 @@ class LayerWriter:
 
     def load_remote(self, reg: wire.Register) -> str:
         """(lock held) The decode's NIXL agent name, its metadata loaded (reloaded if it changed)."""
-        if self._remotes.get(reg.agent_name) == reg.agent_metadata:
-            return reg.agent_name
-        if reg.agent_name in self._remotes:
-            self.agent.remove_remote(reg.agent_name)
-        remote = self.agent.add_remote(reg.agent_metadata)
-        self._remotes[remote] = reg.agent_metadata
+        return self.load_agent(reg.agent_name, reg.agent_metadata)
+
+    def load_agent(self, agent_name: str, metadata: bytes) -> str:
+        """(lock held) A peer's NIXL agent name, its metadata loaded (reloaded if it changed)."""
+        if self._remotes.get(agent_name) == metadata:
+            return agent_name
+        if agent_name in self._remotes:
+            self.forget_agent(agent_name)
+        remote = self.agent.add_remote(metadata)
+        self._remotes[remote] = metadata
         return remote
+
+    def forget_agent(self, agent_name: str) -> None:
+        """(lock held) Unload a peer's metadata (a peer table that evicts it)."""
+        if self._remotes.pop(agent_name, None) is not None:
+            self.agent.remove_remote(agent_name)
 
     def stop(self) -> None:
         with self._lock:
@@ -130,19 +200,17 @@ class LayerWriter:
         with self._lock:
             if p.closing or p.state not in (TransferState.READY, TransferState.SENDING):
                 return
-            reg = p.reg
-        assert reg is not None
         if ready_event is not None:
             ready_event.synchronize()
-        src, dst = self._layer_descs(p, reg, layer, src_pages)
+        src, dst = self.target.layer_descs(p, layer, src_pages)
         t = time.monotonic()
         with self._lock:
             if p.closing or p.state.is_terminal:
                 return  # an abort/cancel/failure came meanwhile: it waits for the WRITEs in p.handles only
             try:
                 assert self.agent is not None
-                h = self.agent.post("WRITE", src, dst, p.remote, mem_type_of(self.pool.kv), reg.mem_type,
-                                    notif=wire.done_notif(p.request_id, layer))
+                h = self.agent.post("WRITE", src, dst, p.remote, mem_type_of(self.pool.kv),
+                                    self.target.remote_mem_type(p), notif=self.target.notif(p, layer))
             except Exception as e:  # noqa: BLE001
                 self._fail(p, f"WRITE of layer {layer} could not start: {e}")
                 return
@@ -150,28 +218,6 @@ class LayerWriter:
             p.state = TransferState.SENDING
             p.layer_times.append((layer, t, 0.0))
         self.stats.add(bytes_offered_total=int(src[:, 1].sum()))
-
-    def _layer_descs(self, p: PushRequest, reg: wire.Register, layer: int,
-                     src_pages: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Coalesced (src, dst) descriptors of one layer, per the decode's page layout
-        (``kv_transfer.layout``). The runs depend only on the pages and the decode's block ids and
-        strides, not on the layer: built once per request and staging slot (the page
-        list object), then each layer only adds its base address on the decode."""
-        cached = p.descs.get(id(src_pages))
-        if cached is None or cached[0] is not src_pages:
-            first = reg.first_token // self.geometry.block_size
-            last = self.pool.blocks_needed(reg.num_tokens)
-            src_addr = (self.pool.kv.data_ptr()
-                        + np.asarray(src_pages[first:last], dtype=np.int64) * self.geometry.page_bytes)
-            dst_off = np.asarray(reg.block_ids[first:last], dtype=np.int64) * reg.block_stride
-            g = reg.geometry  # (its page layout and strides were checked at registration)
-            chunks = layout.page_chunks(layout.of_wire(g.page_layout, reg.layer_addrs, reg.block_stride,
-                                                       reg.head_stride, reg.token_stride, g))
-            src, dst_rel = layout.descs(src_addr, dst_off, chunks, device_id_of(self.pool.kv), reg.device_id)
-            cached = p.descs[id(src_pages)] = (src_pages, src, dst_rel)
-        dst = cached[2].copy()
-        dst[:, 0] += np.uint64(reg.layer_addrs[layer])
-        return cached[1], dst
 
     def drop_jobs(self, p: PushRequest) -> None:
         """(lock held) Remove the request's queued layers (the one being posted, if any, stays:
@@ -254,6 +300,7 @@ class LayerWriter:
         self._fail(p, f"WRITEs still in flight after {limit:g} s (decode gone?)")
         for h in p.handles.values():
             self.agent.release(h)
+        p.gave_up = p.gave_up or bool(p.handles)
         p.handles.clear()
 
     def writes_over(self, p: PushRequest) -> bool:
