@@ -77,7 +77,7 @@ class NixlCompatBackend(TransferBackend):
 
     def make_producer(self, pool, model_path, fleet, host, port, lease_ttl_s):
         from kv_transfer.vllm.nixl_compat import NixlCompatProducer
-        from kv_transfer.vllm.v0_32 import decode_info
+        from kv_transfer.vllm.nixl_versions import decode_info
 
         infos = [decode_info(f, attn_backend_name=self.config.decode_attn_backend) for f in fleet]
         return NixlCompatProducer(pool, infos, host=host, port=port, lease_ttl_s=lease_ttl_s)
@@ -96,7 +96,7 @@ class NixlCompatBackend(TransferBackend):
         return 1 if first_token_ours else 0
 
     def params_for_prompt(self, params, num_decode_tokens, block_size):
-        from kv_transfer.vllm.v0_32 import params_for_prompt
+        from kv_transfer.vllm.nixl_wire import params_for_prompt
 
         return params_for_prompt(params, num_decode_tokens, block_size)
 

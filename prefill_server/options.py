@@ -158,8 +158,8 @@ OPTIONS: tuple[Option, ...] = (
          "without --decode-url: CPU_ATTN when this server runs on CPU, else FLASH_ATTN"),
     _opt("--decode-vllm-version", "nixl_compat", "server.nixl_compat.decode_vllm_version", "without "
          "--decode-url (a prefill instance behind a PD router such as vllm-router or llm-d, answering "
-         "requests that carry kv_transfer_params.do_remote_decode): the decodes' vLLM version, part of the "
-         "NIXL compatibility hash (with --decode-url it is read from the decode)"),
+         "requests that carry kv_transfer_params.do_remote_decode): the decodes' vLLM version (0.32.x or "
+         "0.33.x), part of the NIXL compatibility hash (with --decode-url it is read from the decode)"),
     _opt("--decode-model", "nixl_compat", "server.nixl_compat.decode_model", "without --decode-url: the "
          "decodes' --model string exactly as they were started with it (hashed: another string fails their "
          "NIXL handshake with 'compatibility hash mismatch'); default: --served-model-name, else --model"),

@@ -90,7 +90,9 @@ def test_serving_reaches_the_engine_only_through_the_worker_interface():
 def test_the_decode_side_connector_imports_nothing_of_the_prefill_side():
     deps = closure(graph(with_parents=True), "kv_transfer.vllm.connector")
     prefill_side = sorted(d for d in deps if d.startswith("prefill_server") or d in (
-        "kv_transfer.push", "kv_transfer.pull", "kv_transfer.base", "kv_transfer.vllm.v0_32"))
+        "kv_transfer.push", "kv_transfer.pull", "kv_transfer.base", "kv_transfer.vllm.v0_32",
+        "kv_transfer.vllm.v0_33", "kv_transfer.vllm.nixl_wire", "kv_transfer.vllm.nixl_decode",
+        "kv_transfer.vllm.nixl_versions", "kv_transfer.vllm.nixl_compat"))
     assert prefill_side == [], f"kv_transfer.vllm.connector pulls in {prefill_side}"
 
 

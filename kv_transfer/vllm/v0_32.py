@@ -9,18 +9,9 @@ shares (structs, hash function, params, page layout) is ``kv_transfer.vllm.nixl_
 """
 from __future__ import annotations
 
-from functools import partial
-
-from kv_transfer.vllm import nixl_decode
 from kv_transfer.vllm.nixl_wire import NixlWire
-from kv_transfer.vllm.nixl_wire import params_for_prompt as params_for_prompt  # (kept for callers)
 
 VLLM_VERSION = "0.32.0"
 NIXL_CONNECTOR_VERSION = 14
 WIRE = NixlWire(VLLM_VERSION, NIXL_CONNECTOR_VERSION)
 
-# Kept for callers written when 0.32 was the only version (prefill_server/backends.py, the e2e
-# tests): these serve 0.32 decodes only; ``kv_transfer.vllm.nixl_versions`` has the ones that take
-# every version we speak.
-decode_info = partial(nixl_decode.decode_info, wires=[WIRE])
-discover_decode = partial(nixl_decode.discover_decode, wires=[WIRE])

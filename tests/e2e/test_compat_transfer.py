@@ -15,7 +15,7 @@ import torch
 
 from kv_transfer.base import TransferState
 from kv_transfer.vllm.nixl_compat import NixlCompatProducer
-from kv_transfer.vllm.v0_32 import discover_decode
+from kv_transfer.vllm.nixl_versions import discover_decode
 from prefill_server.engine.kv_pool import KVPool
 from prompts import all_prompts, by_name
 

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -34,7 +35,7 @@ PARAM_KEYS = {"do_remote_prefill", "do_remote_decode", "remote_block_ids", "remo
 def service():
     """A pure prefill instance: transfer mode nixl-compat, no --decode-url, leases of 2 s."""
     svc = build_service(EngineConfig(dtype="float32", num_kv_blocks=64, block_size=BS, token_budget=256,
-                                     max_queue_wait_s=5.0, lease_ttl_s=2.0, warm_up_tokens=0),
+                                     max_queue_wait_s=30.0, lease_ttl_s=2.0, warm_up_tokens=0),
                         ServerConfig(transfer_mode="nixl-compat", nixl_compat=NixlCompatConfig(decode_model="m")))
     svc.worker.engine.start()
     yield svc
@@ -139,6 +140,21 @@ def test_routers_read_vllm_series_in_metrics(client, service):
     assert wait_free(service) == 0 and usage() == 0.0
     assert client.post("/v1/completions", json=REQUESTS["vllm_toy_proxy_completion"]["body"]).status_code == 200
     assert usage() > 0  # the leased blocks count, as a vLLM prefill's held blocks do
+
+
+def test_the_vllm_load_series_move_under_load(client, service):
+    """Three long prompts at once: while they are computed, routers see them running or waiting."""
+    body = dict(REQUESTS["vllm_toy_proxy_completion"]["body"], prompt=list(range(1000, 1000 + 300)))  # 3 x 19 of the 64 blocks
+    seen = {"vllm:num_requests_running": 0.0, "vllm:num_requests_waiting": 0.0}
+    with ThreadPoolExecutor(3) as ex:
+        futs = [ex.submit(client.post, "/v1/completions", json=body) for _ in range(3)]
+        while not all(f.done() for f in futs):
+            for line in client.get("/metrics").text.splitlines():
+                name = line.split("{", 1)[0]
+                if name in seen:
+                    seen[name] = max(seen[name], float(line.rsplit(" ", 1)[1]))
+    assert [f.result().status_code for f in futs] == [200] * 3, [f.result().text for f in futs]
+    assert seen["vllm:num_requests_running"] >= 1 and sum(seen.values()) >= 2, seen
 
 
 def test_other_transfer_modes_refuse_a_routers_request(local_service):
