@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 class _Entry:
     num_tokens: int
     nbytes: int
+    channel: _Channel
+    handshakes_at_publish: int  # the channel's count then: tells an unread lease's likely cause
     notified: int = 0
 
 
@@ -55,6 +57,12 @@ class _Channel:
     port: int
     payload: bytes = b""
     router: RouterSocket | None = field(default=None, repr=False)
+    handshakes: int = 0  # answered on this channel
+
+    def describe(self) -> str:
+        d = self.decode
+        return (f"side channel {self.host}:{self.port} (decodes of vLLM {d.vllm_version} with --model "
+                f"{d.model!r} and attention backend {d.attn_backend_name})")
 
 
 class NixlCompatProducer(LeaseProducer):
@@ -212,7 +220,7 @@ class NixlCompatProducer(LeaseProducer):
             if request_id in self._entries:
                 raise InvalidRequest(f"request {request_id} is already published")
             self.pool.lease(request_id, blocks, self.lease_ttl_s, num_tokens)
-            self._entries[request_id] = _Entry(num_tokens, nbytes)
+            self._entries[request_id] = _Entry(num_tokens, nbytes, ch, ch.handshakes)
             self._finished.pop(request_id, None)
             self._stats.add(published_total=1, bytes_offered_total=nbytes)
             self._stats.set(active_leases=len(self._entries))
@@ -261,7 +269,7 @@ class NixlCompatProducer(LeaseProducer):
             self._stats.add(released_total=1, bytes_released_total=entry.nbytes)
         elif state is TransferState.EXPIRED:
             self._stats.add(leases_expired_total=1)
-            log.warning("KV lease of request %s expired before a decode read it", rid)
+            log.warning("KV lease of request %s expired before a decode read it: %s", rid, _unread_cause(entry))
         elif state is TransferState.ABORTED:
             self._stats.add(aborted_total=1)
         return True
@@ -357,4 +365,18 @@ class NixlCompatProducer(LeaseProducer):
             ch.router.reply(identity, b"", msgspec.msgpack.encode(time.perf_counter()))
             return
         self._stats.add(handshakes_total=1)
+        ch.handshakes += 1
         ch.router.reply(identity, ch.payload, msgspec.msgpack.encode(time.perf_counter()))
+
+
+def _unread_cause(e: _Entry) -> str:
+    """The likely reason no decode read a lease, for the log (a decode caches our agent after its
+    first handshake, so a read needs no new one)."""
+    ch = e.channel
+    if ch.handshakes > e.handshakes_at_publish:
+        return (f"a decode handshook on the {ch.describe()} meanwhile and read nothing: if its log says "
+                "'compatibility hash mismatch', it differs from those (start this server with its "
+                "--decode-vllm-version, --decode-model, --decode-attn-backend and --dtype, or give --decode-url)")
+    return (f"no decode asked the {ch.describe()} meanwhile: the request's kv_transfer_params were not sent to a "
+            "decode (client or router gone), or the decode failed before reading (its log says why), or it "
+            "cannot reach that address (--side-channel-host)")

@@ -277,3 +277,34 @@ def test_params_for_prompt_offer_as_many_blocks_as_the_decode_allocates(producer
     assert params["remote_block_ids"] == [blocks]  # (a copy: the published params are unchanged)
     with pytest.raises(ValueError, match="needs 4 blocks"):
         nixl_wire.params_for_prompt(params, 49, BS)
+
+
+def _get_meta(port: int) -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        sock.send(msgspec.msgpack.encode((nixl_wire.GET_META_MSG, 0, 0)))
+        sock.recv_multipart()
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def test_an_unread_lease_says_its_likely_cause(pool, caplog):
+    """A decode that handshook and read nothing most likely refused our hash: the log says which
+    facts this side channel declares and the flags that change them; with no handshake at all it
+    points at the params' way to the decode instead."""
+    p = NixlCompatProducer(pool, decode_info(), lease_ttl_s=0.4, expiry_interval_s=3600)
+    with p, caplog.at_level("WARNING", logger="kv_transfer.vllm.nixl_compat"):
+        publish(p, pool, "never-asked")
+        assert p.expire_leases(time.monotonic() + 1.0) == ["never-asked"]
+        publish(p, pool, "mismatch")
+        _get_meta(p.side_channel_ports[0])
+        assert p.expire_leases(time.monotonic() + 1.0) == ["mismatch"]
+    text = caplog.text
+    assert "never-asked expired before a decode read it: no decode asked the side channel" in text
+    assert "mismatch expired before a decode read it: a decode handshook" in text
+    assert "compatibility hash mismatch" in text and "--decode-model" in text and "backend CPU_ATTN" in text
