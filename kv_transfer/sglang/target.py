@@ -43,13 +43,16 @@ AUX = -1  # the writer's handle key of the aux WRITE (layers are 0..L-1)
 
 
 class ConvertArea:
-    """``[slots, 2 (K, V), max_tokens, kv_heads, head_dim]`` on the pool's device: one converted
-    layer per slot, K rows then V rows, token-major (each a contiguous run of ``row_bytes``)."""
+    """``[slots, 2 (K, V), rows, kv_heads, head_dim]`` on the pool's device: one converted layer per
+    slot, K rows then V rows, token-major (each a contiguous run of ``row_bytes``). A layer is
+    converted whole blocks at a time (row 0 is the first token of the first block sent), so
+    ``rows`` is ``max_tokens`` plus one block."""
 
     def __init__(self, pool: KVPages, max_tokens: int, slots: int = 2):
         self.pool, self.slots, self.max_tokens = pool, slots, max_tokens
         h, d = pool.num_kv_heads, pool.head_dim
-        self.tensor = torch.zeros(slots, 2, max_tokens, h, d, dtype=pool.dtype, device=pool.kv.device)
+        self.tensor = torch.zeros(slots, 2, max_tokens + pool.block_size, h, d, dtype=pool.dtype,
+                                  device=pool.kv.device)
         self._flat = pool.kv.view(-1, h, pool.block_size, 2 * d)  # [L * NB, H, N, 2D]: flat pages
         self._owner: list[tuple[PushRequest, int] | None] = [None] * slots  # the last WRITE from each slot
 
@@ -68,15 +71,16 @@ class ConvertArea:
             delay = min(delay * 2, 0.005)
         self._owner[slot] = (p, layer)
 
-    def convert(self, slot: int, index: tuple[torch.Tensor, torch.Tensor], rows: int) -> None:
-        """Gather ``rows`` tokens (flat page, offset per token) of one layer into ``slot``."""
-        pages, offsets = index
-        kv = self._flat[pages, :, offsets]  # [rows, H, 2D]
-        d = kv.shape[-1] // 2
-        self.tensor[slot, 0, :rows].copy_(kv[..., :d])
-        self.tensor[slot, 1, :rows].copy_(kv[..., d:])
-        if kv.is_cuda:  # the WRITE reads the area right after: the copy must be done
-            torch.cuda.current_stream(kv.device).synchronize()
+    def convert(self, slot: int, pages: torch.Tensor | slice) -> None:
+        """One layer's flat pool pages (a slice when they are consecutive) into ``slot``: one
+        gather of whole pages (none for a slice) and one permuting copy, K and V at once."""
+        src = self._flat[pages] if isinstance(pages, slice) else self._flat.index_select(0, pages)
+        b, h, n, d2 = src.shape  # [b, H, N, 2D]
+        d = d2 // 2
+        dst = self.tensor[slot, :, : b * n].view(2, b, n, h, d)  # [K|V, b, N, H, D]
+        dst.copy_(src.view(b, h, n, 2, d).permute(3, 0, 2, 1, 4))
+        if src.is_cuda:  # the WRITE reads the area right after: the copy must be done
+            torch.cuda.current_stream(src.device).synchronize()
 
 
 class AuxRows:
@@ -159,21 +163,27 @@ class SGLangTarget:
         assert dest is not None
         slot = layer % self.area.slots
         self.area.claim(slot, p, layer, self._in_flight, self.timeout_s)
-        self.area.convert(slot, self._index(p, dest, src_pages), dest.num_rows)
+        pages, skip = self._pages(p, dest, src_pages)
+        self.area.convert(slot, pages)
         dev, ptrs, n = device_id_of(self.pool.kv), dest.peer.reg.kv_ptrs, self.g.num_layers
-        src = np.concatenate([self.area.base(slot, 0) + dest.src_off, self.area.base(slot, 1) + dest.src_off])
+        off = dest.src_off + skip * self.g.row_bytes  # (row 0 of the area: the first block's first token)
+        src = np.concatenate([self.area.base(slot, 0) + off, self.area.base(slot, 1) + off])
         dst = np.concatenate([ptrs[layer] + dest.dst_off, ptrs[n + layer] + dest.dst_off])
         ln = np.concatenate([dest.length, dest.length])
         return (np.stack([src, ln, np.full_like(ln, dev)], axis=1).astype(np.uint64),
                 np.stack([dst, ln, np.full_like(ln, dest.peer.dst_dev)], axis=1).astype(np.uint64))
 
-    def _index(self, p: SGLangRequest, dest: Destination, src_pages: Sequence[int]):
-        """(flat page, offset) of each token sent, on the pool's device; once per staging page list."""
+    def _pages(self, p: SGLangRequest, dest: Destination, src_pages: Sequence[int]):
+        """(the flat pool pages holding the tokens sent: a slice if consecutive, else an index on
+        the pool's device; tokens of the first page not sent); once per staging page list."""
         cached = p.descs.get(id(src_pages))
         if cached is None or cached[0] is not src_pages:
             n = self.pool.block_size
-            t = torch.arange(dest.first_token, dest.first_token + dest.num_rows)
-            pages = torch.as_tensor(list(src_pages), dtype=torch.long)[t // n]
-            dev = self.pool.kv.device
-            cached = p.descs[id(src_pages)] = (src_pages, (pages.to(dev), (t % n).to(dev)))
+            first, last = dest.first_token // n, -(-(dest.first_token + dest.num_rows) // n)
+            pages = list(src_pages[first:last])
+            if pages == list(range(pages[0], pages[0] + len(pages))):
+                index = slice(pages[0], pages[0] + len(pages))
+            else:
+                index = torch.as_tensor(pages, dtype=torch.long, device=self.pool.kv.device)
+            cached = p.descs[id(src_pages)] = (src_pages, (index, dest.first_token - first * n))
         return cached[1]

@@ -260,3 +260,18 @@ def test_expect_checks_its_arguments(prefill):
         prefill.expect("i4", 10**7)
     assert 1 <= prefill.expect("i5", 4)["bootstrap_room"] <= wire.MAX_ROOM
     assert np.isin(prefill.stats().published_total, [2])
+
+
+@pytest.mark.parametrize("pages_of", [lambda bs: bs, lambda bs: bs[::-1]], ids=["consecutive", "scattered"])
+def test_a_layer_is_converted_to_token_major_k_and_v(pages_of):
+    from kv_transfer.sglang.target import ConvertArea
+
+    pool = KVPool(L, 32, H, N, D)
+    pool.kv.copy_(torch.randn_like(pool.kv))
+    area = ConvertArea(pool, 64)
+    pages = pages_of(list(range(40, 44)))  # flat pages (layer 1's blocks 8..11)
+    index = slice(pages[0], pages[0] + 4) if pages == sorted(pages) else torch.tensor(pages)
+    area.convert(1, index)
+    flat = pool.kv.view(-1, H, N, 2 * D)[pages]  # [4, H, N, 2D]
+    want = flat.permute(0, 2, 1, 3).reshape(4 * N, H, 2 * D)
+    assert torch.equal(area.tensor[1, 0, : 4 * N], want[..., :D]) and torch.equal(area.tensor[1, 1, : 4 * N], want[..., D:])
