@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 TRANSFER_MODES = ("nixl-compat", "connector", "local")
 FIRST_TOKEN_MODES = ("auto", "prefill", "decode")
+# serving/token_parity.py: refuse to start on a difference with a decode's tokenizer (the default:
+# a difference silently changes every answer), tokenize every prompt through the decode, or warn
+TOKENIZER_PARITY_POLICIES = ("refuse", "decode", "warn")
 DEFAULT_TRANSFER_TIMEOUT_S = 30.0  # connector mode; capped at the lease time unless set explicitly
 
 
@@ -171,6 +174,7 @@ class ServerConfig:
     # decode continues from prompt + [t1] (serving/first_token.py); "decode" = the decode samples it;
     # "auto" = the transfer mode's choice (TransferBackend.auto_first_token)
     first_token: str = "auto"
+    tokenizer_parity: str = "refuse"  # TOKENIZER_PARITY_POLICIES
     api_key_file: str | None = None  # a file holding the API key (else api_key, else the environment)
     protect_metrics: bool = False  # /metrics needs the API key too
     max_body_bytes: int = 64 * 2**20  # larger HTTP bodies get 413
@@ -188,6 +192,13 @@ class ServerConfig:
         if self.first_token not in FIRST_TOKEN_MODES:
             raise ValueError(f"--first-token must be one of {', '.join(FIRST_TOKEN_MODES)}, "
                              f"not {self.first_token!r}")
+        if self.tokenizer_parity not in TOKENIZER_PARITY_POLICIES:
+            raise ValueError(f"--tokenizer-parity must be one of {', '.join(TOKENIZER_PARITY_POLICIES)}, "
+                             f"not {self.tokenizer_parity!r}")
+        if self.tokenizer_parity == "decode" and (not self.decode_urls or self.transfer_mode == "local"):
+            raise ValueError("--tokenizer-parity decode tokenizes each prompt through a decode's POST /tokenize, "
+                             "so it needs a --decode-url (and a transfer mode other than local); without one, "
+                             "use refuse or warn")
         self.nixl_compat.validate()
         self.connector.validate()
         self.pool.validate()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+_TOKENIZE_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -44,6 +45,15 @@ class Metrics:
                                ["decode"], registry=r)
         self.decode_outstanding = Gauge(p + "decode_requests_outstanding", "Requests sent to the decode and "
                                         "not finished (gateway)", ["decode"], registry=r)
+
+        self.tokenize_remote = Histogram(p + "tokenize_remote_seconds", "A prompt tokenized by the decode's "
+                                         "/tokenize (--tokenizer-parity decode), round trip", registry=r,
+                                         buckets=_TOKENIZE_BUCKETS)
+        self.tokenize_remote_failed = Counter(p + "tokenize_remote_failed_total", "Prompts the decode's /tokenize "
+                                              "could not tokenize (unreachable or failed)", registry=r)
+        self.tokenizer_parity = Gauge(p + "tokenizer_parity", "1 when the decode tokenized the start-up probe "
+                                      "as this server does, 0 when it differed or could not be asked",
+                                      ["decode"], registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

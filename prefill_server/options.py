@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from prefill_server.config import (DEFAULT_TRANSFER_TIMEOUT_S, FIRST_TOKEN_MODES, ROUTING_POLICIES, TRANSFER_MODES,
-                                   ConnectorConfig, EngineConfig, NixlCompatConfig, PoolConfig, ServerConfig)
+from prefill_server.config import (DEFAULT_TRANSFER_TIMEOUT_S, FIRST_TOKEN_MODES, ROUTING_POLICIES,
+                                   TOKENIZER_PARITY_POLICIES, TRANSFER_MODES, ConnectorConfig, EngineConfig, NixlCompatConfig, PoolConfig, ServerConfig)
 
 GROUPS = {  # section -> --help title
     "model": "model",
@@ -140,6 +140,13 @@ OPTIONS: tuple[Option, ...] = (
          "decode = the decode recomputes the prompt's last token and samples the first token. auto: "
          "prefill in nixl-compat mode, decode in connector mode. Other requests always take the decode's",
          choices=FIRST_TOKEN_MODES),
+    _opt("--tokenizer-parity", "decode", "server.tokenizer_parity", "at start-up every decode's POST /tokenize "
+         "is asked to tokenize a fixed set of texts and chats, which must give this server's tokens (our KV is "
+         "right only for the ids the decode continues from). On a difference: refuse = do not start, naming "
+         "the difference and the fixes; decode = tokenize every text prompt and chat through the decode's "
+         "/tokenize (a round trip per request, timed in prefill_server:tokenize_remote_seconds); warn = log "
+         "it and serve with this server's tokens (answers then differ from the decode's own)",
+         choices=TOKENIZER_PARITY_POLICIES),
     _opt("--decode-wait", "decode", "server.decode_wait_s", "at start-up, wait this long for an unreachable "
          "decode (it may still be starting), retrying every 2 s, before giving up", type=float,
          metavar="SECONDS"),

@@ -101,7 +101,9 @@ class Gateway:
         body = schema.parse(schema.CompletionBody, raw)
         remote_decode = self._wants_remote_decode(raw)
         svc.check_model(body.model)
-        token_ids = await svc.encode_prompt_async(schema.single_prompt(body.prompt))
+        # (add_special_tokens: as vLLM's completion endpoint takes it, true unless false)
+        token_ids = await svc.encode_prompt_async(schema.single_prompt(body.prompt),
+                                                  add_special_tokens=raw.get("add_special_tokens") is not False)
         self._check_fits(len(token_ids), body.max_tokens)
         if remote_decode:
             return await self._as_prefill_instance(False, raw, token_ids, _sampling(body), body.stream, outcome, tag)
@@ -115,7 +117,7 @@ class Gateway:
         remote_decode = self._wants_remote_decode(raw)
         svc.check_model(body.model)
         kwargs = {"tools": body.tools} if body.tools else {}
-        token_ids = await svc.encode_chat_async(schema.chat_messages(body), **kwargs)
+        token_ids = await svc.encode_chat_async(schema.chat_messages(body), request=raw, **kwargs)
         self._check_fits(len(token_ids), body.max_completion_tokens or body.max_tokens)
         if remote_decode:
             return await self._as_prefill_instance(True, raw, token_ids, _sampling(body), body.stream, outcome, tag)

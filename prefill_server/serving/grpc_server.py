@@ -226,13 +226,14 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         sampling = _sampling(req.sampling)
         t1 = time.monotonic()
         try:
+            # through the service: --tokenizer-parity applies (the decode's /tokenize, the vocabulary check)
             if field == "token_ids":
-                ids = list(req.token_ids)
+                ids = await self.service.encode_prompt_async(list(req.token_ids))
             elif field == "text":
                 add = req.add_special_tokens if req.HasField("add_special_tokens") else True
-                ids = await asyncio.to_thread(self.service.tokenizer.encode, req.text, add_special_tokens=add)
+                ids = await self.service.encode_prompt_async(req.text, add_special_tokens=add)
             else:
-                ids = await asyncio.to_thread(self.service.encode_chat, _chat_messages(req))
+                ids = await self.service.encode_chat_async(_chat_messages(req))
         except PrefillError as e:
             raise _renamed(e, field) from None
         return _Prepared(req.request_id or f"grpc-{uuid.uuid4().hex}", field, ids, sampling,

@@ -22,17 +22,23 @@ from prefill_server.serving.auth import ApiKeys, load_api_key
 from prefill_server.serving.decode_client import DecodeClient
 from prefill_server.serving.decodes import Decode, DecodeSet
 from prefill_server.serving.service import ModelInfo, PrefillService
+from prefill_server.serving.token_parity import ParityOutcome
 
 log = logging.getLogger(__name__)
 
 
 def build_service(ecfg: EngineConfig, scfg: ServerConfig,
-                  fleet: DecodeFacts | tuple[DecodeFacts, ...] | None = None) -> PrefillService:
+                  fleet: DecodeFacts | tuple[DecodeFacts, ...] | None = None,
+                  parity: ParityOutcome | None = None) -> PrefillService:
     """The worker (engine + the transfer mode's producer) and the serving core. ``fleet``: the
     decodes as already discovered (else they are asked here, each waited for up to
-    ``scfg.decode_wait_s``)."""
+    ``scfg.decode_wait_s``, and their tokenizers probed: ``check_tokenizers``). ``parity``: the
+    probe's outcome when the caller ran it (none: tokenize here)."""
     backend = backend_for(scfg)
+    discovered_here = fleet is None
     fleet = discover_fleet(scfg, backend, fleet, ecfg)
+    if discovered_here:
+        parity = check_tokenizers(ecfg, scfg, fleet)
     ecfg = follow_decode(ecfg, next((f for f in fleet if f.dtype), fleet[0] if fleet else None))
     if scfg.pool.enabled:  # workers on Ray (imported only then); started by worker.start()
         from prefill_server.cluster.pool import build_ray_pool
@@ -49,7 +55,27 @@ def build_service(ecfg: EngineConfig, scfg: ServerConfig,
     info = ModelInfo(served, m.path, c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size, worker.max_model_len,
                      str(m.dtype).removeprefix("torch."), worker.block_size, max_model_len_source=source)
     return PrefillService(worker, m.tokenizer, info, backend, first_token=first_token_mode(scfg, backend),
-                          eos_token_ids=c.eos_token_ids)
+                          eos_token_ids=c.eos_token_ids, parity=parity)
+
+
+def check_tokenizers(ecfg: EngineConfig, scfg: ServerConfig, fleet: tuple[DecodeFacts, ...]) -> ParityOutcome:
+    """Probe each reachable decode's tokenizer against ours and apply --tokenizer-parity
+    (``token_parity.py``; raises ``TokenizerMismatch`` to refuse). Runs before the weights load,
+    so a refusal comes in seconds."""
+    from prefill_server.models.registry import resolve_model
+    from prefill_server.models.tokenizer import Tokenizer
+    from prefill_server.serving import token_parity
+    from prefill_server.serving.decode_tokenizer import DecodeTokenizer
+
+    reachable = [f for f in fleet if not f.declared]
+    if not reachable:
+        if fleet:  # a prefill instance: the router's decodes are declared, never seen
+            log.info("tokenizer parity: no decode to probe (no --decode-url: the PD router's decodes tokenize "
+                     "its requests themselves); they must use this server's tokenizer files and chat template")
+        return ParityOutcome(scfg.tokenizer_parity)
+    path = resolve_model(ecfg.model)
+    decodes = [DecodeTokenizer(f.url, f.served_model_name, request_timeout_s=scfg.decode_timeout_s) for f in reachable]
+    return token_parity.check_fleet(Tokenizer(path), decodes, scfg.tokenizer_parity, str(path))
 
 
 def discover_fleet(scfg: ServerConfig, backend: TransferBackend,
@@ -137,7 +163,7 @@ def serve(ecfg: EngineConfig, scfg: ServerConfig) -> None:
         raise ValueError("--protect-metrics needs an API key (--api-key-file, PREFILL_SERVER_API_KEY or --api-key)")
     backend = backend_for(scfg)
     fleet = discover_fleet(scfg, backend, None, ecfg)
-    service = build_service(ecfg, scfg, fleet)
+    service = build_service(ecfg, scfg, fleet, check_tokenizers(ecfg, scfg, fleet))
     service.worker.start()  # (a pool: Ray, and its first worker running)
     try:
         sock = bind(scfg.host, scfg.port)

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from prefill_server.backends import TransferBackend
 from prefill_server.engine.worker import PrefillRequest, PrefillResult, PrefillWorker, Route, SamplingParams
 from prefill_server.errors import InvalidRequest, PromptTooLong, UnknownModel
+from prefill_server.serving.decode_tokenizer import ThroughDecode, chat_fields
+from prefill_server.serving.token_parity import ParityOutcome, local_chat_ids
 
 
 @dataclass(frozen=True)
@@ -26,32 +28,50 @@ class ModelInfo:
 
 
 class PrefillService:
-    """worker: the prefill engine behind its interface; backend: the transfer mode."""
+    """worker: the prefill engine behind its interface; backend: the transfer mode. parity: what the
+    start-up probe of the decodes' tokenizers found and the policy chose (``token_parity.py``):
+    tokenize here, or every prompt through a decode, and the decodes' vocabulary size."""
 
     def __init__(self, worker: PrefillWorker, tokenizer, info: ModelInfo, backend: TransferBackend,
-                 first_token: str = "prefill", eos_token_ids: tuple[int, ...] = ()):
+                 first_token: str = "prefill", eos_token_ids: tuple[int, ...] = (),
+                 parity: ParityOutcome | None = None):
         self.worker, self.tokenizer, self.info, self.backend = worker, tokenizer, info, backend
         self.metrics = worker.metrics
         self.first_token = first_token  # "prefill" | "decode" (backends.first_token_mode)
         eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_token_ids = tuple(eos_token_ids) + ((eos,) if eos is not None and eos not in eos_token_ids else ())
+        self.through_decode = ThroughDecode(list(parity.through_decode), self.metrics) \
+            if parity is not None and parity.through_decode else None
+        self.decode_vocab_size = parity.vocab_size if parity is not None else None
+        for r in parity.reports if parity is not None else ():
+            self.metrics.tokenizer_parity.labels(r.url).set(1 if r.same else 0)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in (self.info.served_name, self.info.path):
             raise UnknownModel(f"model {name!r} is not served here; use {self.info.served_name!r}",
                                field="model")
 
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+    def encode_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        """With this server's tokenizer (``encode_prompt_async`` follows --tokenizer-parity)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("the prompt is empty: send some text", field="prompt")
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
-        return list(prompt)
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        return self.check_token_ids(list(prompt))
 
     def encode_chat(self, messages: list[dict], **template_kwargs) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
-        self.check_text_length(text)
-        return self.tokenizer.encode(text, add_special_tokens=False)  # the template holds the specials
+        """With this server's tokenizer and template (``encode_chat_async`` follows --tokenizer-parity)."""
+        return local_chat_ids(self.tokenizer, messages, template_kwargs, check_text=self.check_text_length)
+
+    def check_token_ids(self, ids: list[int]) -> list[int]:
+        """Ids sent as such are not tokenized, but the decode must take them too: below its vocabulary
+        size (the engine checks the model's)."""
+        limit = self.decode_vocab_size
+        if limit is not None and ids and (min(ids) < 0 or max(ids) >= limit):
+            bad = next(t for t in ids if not 0 <= t < limit)
+            raise InvalidRequest(f"token id {bad} is outside the decode's vocabulary [0, {limit}): send ids "
+                                 "of the served model's tokenizer", field="prompt")
+        return ids
 
     def check_text_length(self, text: str) -> None:
         """Refuse, before tokenizing it, a text too long to fit the context whatever its tokens:
@@ -63,16 +83,27 @@ class PrefillService:
                                 f"tokens ({self.info.max_model_len_source}) whatever its tokens: shorten it",
                                 field="prompt")
 
-    async def encode_prompt_async(self, prompt: str | list[int]) -> list[int]:
-        """``encode_prompt`` off the event loop (a long prompt takes long to tokenize)."""
-        if isinstance(prompt, str):
-            self.check_text_length(prompt)
-            return await asyncio.to_thread(self.encode_prompt, prompt)
-        return self.encode_prompt(prompt)
+    async def encode_prompt_async(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        """A prompt's ids: ids as sent (checked), text off the event loop (a long prompt takes long to
+        tokenize), or by the decode's /tokenize with --tokenizer-parity decode."""
+        if not isinstance(prompt, str):
+            return self.encode_prompt(prompt)
+        self.check_text_length(prompt)
+        if self.through_decode is not None and prompt:
+            return await self.through_decode.encode(prompt, add_special_tokens)
+        return await asyncio.to_thread(self.encode_prompt, prompt, add_special_tokens)
 
-    async def encode_chat_async(self, messages: list[dict], **template_kwargs) -> list[int]:
-        """``encode_chat`` off the event loop, after the same length check on the messages' text."""
+    async def encode_chat_async(self, messages: list[dict], request: dict | None = None,
+                                **template_kwargs) -> list[int]:
+        """A chat's ids, after a length check on the messages' text: rendered and tokenized off the
+        event loop, or by the decode's /tokenize with --tokenizer-parity decode. ``request``: the
+        client's chat body, whose messages and rendering fields the decode is sent as they came (it
+        renders them itself when it answers the chat)."""
         self.check_text_length("".join(str(m.get("content") or "") for m in messages))
+        if self.through_decode is not None:
+            if request is not None:
+                return await self.through_decode.encode_chat(request["messages"], chat_fields(request))
+            return await self.through_decode.encode_chat(messages, template_kwargs)
         return await asyncio.to_thread(self.encode_chat, messages, **template_kwargs)
 
     async def prefill(self, token_ids: list[int], sampling: SamplingParams = SamplingParams(),
