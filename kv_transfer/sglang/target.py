@@ -11,6 +11,7 @@ aux WRITE sends (first token, room, logprobs), one row set per finishing request
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -54,6 +55,8 @@ class ConvertArea:
         self.tensor = torch.zeros(slots, 2, max_tokens + pool.block_size, h, d, dtype=pool.dtype,
                                   device=pool.kv.device)
         self._flat = pool.kv.view(-1, h, pool.block_size, 2 * d)  # [L * NB, H, N, 2D]: flat pages
+        # its own CUDA stream: waiting for the copy never waits for the forward's later layers
+        self._stream = torch.cuda.Stream(pool.kv.device) if pool.kv.is_cuda else None
         self._owner: list[tuple[PushRequest, int] | None] = [None] * slots  # the last WRITE from each slot
 
     def base(self, slot: int, kv: int) -> int:
@@ -74,13 +77,14 @@ class ConvertArea:
     def convert(self, slot: int, pages: torch.Tensor | slice) -> None:
         """One layer's flat pool pages (a slice when they are consecutive) into ``slot``: one
         gather of whole pages (none for a slice) and one permuting copy, K and V at once."""
-        src = self._flat[pages] if isinstance(pages, slice) else self._flat.index_select(0, pages)
-        b, h, n, d2 = src.shape  # [b, H, N, 2D]
-        d = d2 // 2
-        dst = self.tensor[slot, :, : b * n].view(2, b, n, h, d)  # [K|V, b, N, H, D]
-        dst.copy_(src.view(b, h, n, 2, d).permute(3, 0, 2, 1, 4))
-        if src.is_cuda:  # the WRITE reads the area right after: the copy must be done
-            torch.cuda.current_stream(src.device).synchronize()
+        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+            src = self._flat[pages] if isinstance(pages, slice) else self._flat.index_select(0, pages)
+            b, h, n, d2 = src.shape  # [b, H, N, 2D]
+            d = d2 // 2
+            dst = self.tensor[slot, :, : b * n].view(2, b, n, h, d)  # [K|V, b, N, H, D]
+            dst.copy_(src.view(b, h, n, 2, d).permute(3, 0, 2, 1, 4))
+        if self._stream is not None:  # the WRITE reads the area right after: the copy must be done
+            self._stream.synchronize()
 
 
 class AuxRows:
