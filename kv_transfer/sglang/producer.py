@@ -196,6 +196,9 @@ class SGLangProducer(StreamProducer):
             p = self._reqs.get(request_id)
             if p is None or p.closing or p.state not in (TransferState.READY, TransferState.SENDING):
                 return  # aborted or failed meanwhile: the engine finds out in wait_layer/finish
+            if p.dest is not None and p.dest.num_rows == 0:  # the decode's cache holds the whole prompt:
+                p.layers_written.add(layer)  # nothing to write but the aux rows (as SGLang's prefill)
+                return
             self.writer.queue(p, layer, src_pages, ready_event)
 
     def wait_layer(self, request_id: str, layer: int, stop: Callable[[], bool] | None = None) -> None:

@@ -4,6 +4,9 @@ metadata buffers), its messages built per the wire. The same paths with SGLang's
 test_sglang_decode.py (slow, .venv-sglang)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -151,6 +154,53 @@ def test_the_decode_may_come_first_and_hold_a_prefix(prefill, decode):
     assert decode.receive()[2] == b"4"
     assert torch.equal(decode.rows([2, 3, 4], n - 4), eng.kv[:, :, 4:])
     assert bool((decode.kv[:, :, 4:8] == 5.0).all())
+
+
+def test_a_decode_holding_the_whole_prompt_gets_the_aux_rows_only(prefill, decode):
+    prefill.expect("b2", 8, bootstrap_room=78)
+    decode.transfer_info(78, [], aux=2, prefix=8)  # its radix cache hit all 8 tokens
+    wait_for(lambda: prefill.is_ready("b2"))
+    Engine(prefill, "b2", 8).run(first_token=9)
+    assert decode.receive()[2] == b"4" and int(decode.aux[0][2, 0]) == 9 and int(decode.aux[9][2, 0]) == 78
+    assert prefill.stats().bytes_offered_total == 0
+
+
+DYING_DECODE = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from test_sglang_producer import FakeDecode
+class P:
+    rank_port = int(sys.argv[2])
+d = FakeDecode(P())
+d.register()
+d.transfer_info(int(sys.argv[3]), [1, 2, 3])
+print("sent", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_decode_that_dies_mid_stream_frees_our_blocks(prefill):
+    prefill.expect("b3", 9, bootstrap_room=79)
+    proc = subprocess.Popen([sys.executable, "-c", DYING_DECODE, os.path.dirname(__file__), str(prefill.rank_port),
+                             "79"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "sent"
+        wait_for(lambda: prefill.is_ready("b3"), 30)
+        eng = Engine(prefill, "b3", 9)
+        eng.layer(0)
+        prefill.wait_layer("b3", 0)
+        proc.kill()
+        proc.wait(10)
+        with pytest.raises(TransferError):  # a WRITE error, or given up after transfer_timeout_s
+            eng.layer(1)
+            eng.layer(2)
+            prefill.finish("b3", first_token=1)
+        freed = threading.Event()
+        prefill.abort("b3", "transfer failed", on_idle=lambda: (eng.free(), freed.set()))
+        assert freed.wait(10) and prefill.num_active == 0 and prefill.pool.num_used == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_junk_on_the_rank_socket_changes_nothing(prefill, decode):
