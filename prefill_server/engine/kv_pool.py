@@ -9,6 +9,13 @@ Ownership: the engine allocates blocks for a request while it is prefilled; when
 finishes, the blocks pass to a *lease* keyed by the request id. A lease ends by ``release`` (the
 decode's notification that it has read them, an abort, an explicit Release call) or by expiry (the
 decode never came; heartbeats extend it). Every path ends in ``free``: nothing is stranded.
+
+References: every block has a count of its holders (a running sequence, a lease, a stream's
+staging). ``allocate`` hands out blocks with one reference; ``acquire_prefix`` adds one to cached
+blocks a new prompt shares; ``free`` drops one. At zero a block goes back to the free list, or, if
+the prefix cache names it (``prefix_cache.py``), to the cache's LRU, from which ``allocate``
+evicts only when the free list is empty. So a block in use is never evicted, and a free of a block
+no one holds (a double free) fails an assertion instead of corrupting another request's KV.
 """
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from prefill_server.engine.prefix_cache import PrefixCache
 from prefill_server.errors import PoolExhausted
 from prefill_server.layers import fused
 
@@ -35,7 +43,9 @@ class Lease:
 
 class KVPool:
     def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int,
-                 head_dim: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 head_dim: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 cache_salt: bytes | None = None):
+        """cache_salt: turns the prefix cache on (``prefix_cache.salt_of``: model, dtype, block size)."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_layers, self.num_blocks = num_layers, num_blocks
@@ -46,6 +56,9 @@ class KVPool:
                               dtype=dtype, device=self.device)
         self._lock = threading.Lock()
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self._ref = [0] * num_blocks  # holders of each block
+        self.cache_salt = cache_salt
+        self.cache: PrefixCache | None = PrefixCache() if cache_salt is not None else None
         self._leases: dict[str, Lease] = {}
         self.expired_total = 0
         # called (lease, expired: bool) after a lease's blocks are freed; for metrics
@@ -74,23 +87,95 @@ class KVPool:
     # ---- allocation ----
     @property
     def num_free(self) -> int:
+        """Blocks an allocation may take: free ones and cached ones no one references."""
         with self._lock:
-            return len(self._free)
+            return self._num_free()
+
+    def _num_free(self) -> int:  # lock held
+        return len(self._free) + (self.cache.num_evictable if self.cache else 0)
 
     @property
     def num_used(self) -> int:
+        """Blocks someone references."""
         return self.num_blocks - self.num_free
 
     def allocate(self, n: int) -> list[int]:
+        """n blocks, one reference each: free ones first, then the least recently used unreferenced
+        cached ones (evicted)."""
         with self._lock:
-            if n > len(self._free):
-                raise PoolExhausted(f"KV pool has {len(self._free)} free blocks, {n} needed")
-            return [self._free.pop() for _ in range(n)]
+            if n > self._num_free():
+                raise PoolExhausted(f"KV pool has {self._num_free()} free blocks, {n} needed")
+            out = [self._free.pop() if self._free else self.cache.evict() for _ in range(n)]
+            for b in out:
+                assert self._ref[b] == 0, f"KV block {b} handed out while referenced"
+                self._ref[b] = 1
+            return out
 
     def free(self, block_ids: list[int]) -> None:
+        """Drop one reference to each block. Last blocks first: a prompt's tail is evicted before
+        its head, which more prompts share."""
         with self._lock:
-            self._free.extend(reversed(block_ids))
-            assert len(self._free) <= self.num_blocks, "double free in KV pool"
+            for b in reversed(block_ids):
+                assert self._ref[b] > 0, f"double free of KV block {b}"
+                self._ref[b] -= 1
+                if self._ref[b]:
+                    continue
+                if self.cache is not None and self.cache.is_cached(b):
+                    self.cache.park(b)
+                else:
+                    self._free.append(b)
+
+    def refcount(self, block: int) -> int:
+        with self._lock:
+            return self._ref[block]
+
+    # ---- prefix cache (``cache`` is None when off) ----
+    def acquire_prefix(self, hashes: list[bytes]) -> list[int]:
+        """The cached blocks of the longest run of leading ``hashes``, one reference added to each
+        (the caller frees them like its own blocks)."""
+        if self.cache is None:
+            return []
+        with self._lock:
+            blocks = self.cache.match(hashes)
+            for b in blocks:
+                if self._ref[b] == 0:
+                    self.cache.unpark(b)
+                self._ref[b] += 1
+            return blocks
+
+    def cache_blocks(self, block_ids: list[int], hashes: list[bytes]) -> int:
+        """Name computed full blocks (``block_ids[i]`` holds the block ``hashes[i]`` names; the
+        caller references them); returns how many were new to the cache."""
+        if self.cache is None:
+            return 0
+        with self._lock:
+            new = 0
+            for b, h in zip(block_ids, hashes):
+                assert self._ref[b] > 0, f"caching KV block {b}, which no one holds"
+                new += self.cache.insert(b, h)
+            return new
+
+    def reset_cache(self) -> int:
+        """Forget every cached block (the admin reset); returns how many were freed at once. Blocks
+        in use stay with their holders, as ordinary blocks."""
+        if self.cache is None:
+            return 0
+        with self._lock:
+            freed = self.cache.reset()
+            self._free.extend(freed)
+            return len(freed)
+
+    def check(self) -> None:
+        """Every block exactly once: free, cached and unreferenced, or referenced (tests)."""
+        with self._lock:
+            free, parked = set(self._free), self.cache.parked() if self.cache else set()
+            assert len(free) == len(self._free), "a block is twice in the free list"
+            assert not free & parked, "a block is both free and cached"
+            for b in range(self.num_blocks):
+                held = self._ref[b] > 0
+                assert held + (b in free) + (b in parked) == 1, f"block {b}: ref {self._ref[b]}, " \
+                    f"free {b in free}, parked {b in parked}"
+                assert not (b in free and self.cache is not None and self.cache.is_cached(b))
 
     # ---- page I/O ----
     def slot_mapping(self, block_ids: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
