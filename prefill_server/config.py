@@ -30,6 +30,7 @@ class EngineConfig:
     vllm_ops: str | None = None  # --cpu-attention vllm: vLLM's _C library or vllm package folder
     cpu_threads: int = 0  # torch / OpenMP threads on the CPU (0 = measured at start-up: choose_cpu_threads)
     warm_up_tokens: int = 512  # two forwards of this many tokens before serving (0 = none): Engine.warm_up
+    prefix_cache: bool = True  # reuse the KV of cached prompt heads (engine/prefix_cache.py)
 
     def validate(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

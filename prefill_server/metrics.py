@@ -45,6 +45,15 @@ class Metrics:
                                ["decode"], registry=r)
         self.decode_outstanding = Gauge(p + "decode_requests_outstanding", "Requests sent to the decode and "
                                         "not finished (gateway)", ["decode"], registry=r)
+        # the prefix cache (vLLM's vllm:prefix_cache_queries / _hits, in tokens): hit rate = hits / queries
+        self.prefix_cache_queries = Counter(p + "prefix_cache_queries_total", "Prompt tokens looked up in the "
+                                            "prefix cache", registry=r)
+        self.prefix_cache_hits = Counter(p + "prefix_cache_hits_total", "Prompt tokens found in the prefix "
+                                         "cache (not computed)", registry=r)
+        self.prefix_cache_blocks = Gauge(p + "prefix_cache_blocks", "KV blocks named in the prefix cache "
+                                         "(in use or evictable)", registry=r)
+        self.prefix_cache_evictions = Counter(p + "prefix_cache_evictions_total", "Cached KV blocks evicted "
+                                              "(least recently used, unreferenced) to make room", registry=r)
 
         self.tokenize_remote = Histogram(p + "tokenize_remote_seconds", "A prompt tokenized by the decode's "
                                          "/tokenize (--tokenizer-parity decode), round trip", registry=r,

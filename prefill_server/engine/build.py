@@ -9,6 +9,7 @@ import torch
 from kv_transfer.base import StreamProducer
 from prefill_server.config import EngineConfig
 from prefill_server.engine.kv_pool import KVPool
+from prefill_server.engine.prefix_cache import salt_of
 from prefill_server.engine.runner import ModelRunner
 from prefill_server.models.config import ModelConfig, parse_dtype
 from prefill_server.models.registry import resolve_model
@@ -61,8 +62,10 @@ def make_pool(cfg: EngineConfig, m: LoadedModel, block_size: int | None = None) 
     c = m.config
     per_block = c.num_layers * c.num_kv_heads * bs * 2 * c.head_dim * m.dtype.itemsize
     num_blocks = cfg.num_kv_blocks or max(1, int(cfg.kv_cache_gib * 2**30) // per_block)
-    log.info("KV pool: %d blocks x %d tokens (%.2f GiB)", num_blocks, bs, num_blocks * per_block / 2**30)
-    return KVPool(c.num_layers, num_blocks, c.num_kv_heads, bs, c.head_dim, m.dtype, m.device)
+    log.info("KV pool: %d blocks x %d tokens (%.2f GiB), prefix cache %s", num_blocks, bs,
+             num_blocks * per_block / 2**30, "on" if cfg.prefix_cache else "off")
+    salt = salt_of(m.path, str(m.dtype), bs) if cfg.prefix_cache else None  # (K/V of this model only)
+    return KVPool(c.num_layers, num_blocks, c.num_kv_heads, bs, c.head_dim, m.dtype, m.device, cache_salt=salt)
 
 
 def make_runner(m: LoadedModel, pool: KVPool, attention: str = "dense",

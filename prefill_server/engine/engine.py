@@ -43,6 +43,11 @@ wait at once (``stop=``): a WRITE stuck on a dead decode never holds up the loop
 
 The engine never frees leased blocks itself; the producer never frees running blocks. A failed step
 fails only the requests in that step and the loop keeps serving.
+
+Prefix cache (``--prefix-cache``): blocks are counted references (``kv_pool.py``); the scheduler
+starts a prompt after its cached head, and the blocks handed over are the whole prompt's, cached
+and new alike (the decode READs both). ``PrefillResult.num_cached_tokens`` says how many tokens
+were found cached.
 """
 from __future__ import annotations
 
@@ -58,7 +63,7 @@ from kv_transfer.base import Producer, Route, check_request_id
 from prefill_server.engine.kv_pool import KVPool
 from prefill_server.engine.runner import ModelRunner
 from prefill_server.engine.sampling import MAX_LOGPROBS, first_token_logprobs, sample_first_token
-from prefill_server.engine.scheduler import Chunk, Scheduler, Sequence
+from prefill_server.engine.scheduler import Chunk, Scheduler, Sequence, prompt_hashes
 from prefill_server.engine.types import PrefillRequest, PrefillResult, Timings, WorkerLoad
 from prefill_server.engine.throughput import ThroughputMeter
 from prefill_server.errors import (InvalidRequest, Overloaded, PoolExhausted, PromptTooLong, RequestCancelled,
@@ -89,6 +94,7 @@ class Engine:
                                    stream=producer if streams else None)
         self.metrics = metrics or Metrics()
         self.metrics.blocks_total.set(pool.num_blocks)
+        self.scheduler.on_lookup = self._count_lookup
         pool.on_lease_end = self._lease_ended
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -97,6 +103,7 @@ class Engine:
         self._aborts: set[str] = set()
         self._finishing: dict[str, Sequence] = {}  # push requests computed, in producer.finish
         self._expired_seen = 0
+        self._evictions_seen = 0
         self.throughput = ThroughputMeter()
 
     # ---- lifecycle ----
@@ -198,11 +205,14 @@ class Engine:
     def _submit(self, req: PrefillRequest) -> tuple[Future, dict | None]:
         self.validate(req)
         fut: Future = Future()
+        hashes = None  # (hashed here, outside the lock: a 128K-token prompt takes milliseconds)
+        if self.pool.cache is not None and req.route is not Route.STREAM:
+            hashes = prompt_hashes(self.pool, req.prompt_token_ids)
         with self._wake:
             if self.scheduler.find(req.request_id) or self.pool.get_lease(req.request_id):
                 raise InvalidRequest(f"request id {req.request_id!r} is already in use", field="request_id")
             self._admit(req)
-            seq = Sequence(req, fut)
+            seq = Sequence(req, fut, block_hashes=hashes)
             if req.route is Route.STREAM:
                 seq.params = self.producer.expect(req.request_id, seq.num_tokens)
             self.scheduler.add(seq)
@@ -349,7 +359,7 @@ class Engine:
         m.prompt_tokens.inc(seq.num_tokens)
         m.kv_bytes.inc(self.pool.blocks_needed(seq.num_tokens) * self.pool.block_bytes * self.pool.num_layers)
         m.prefills.labels("ok").inc()
-        result = PrefillResult(req.request_id, token, seq.num_tokens, 0, params, timings, logprobs)
+        result = PrefillResult(req.request_id, token, seq.num_tokens, seq.num_cached, params, timings, logprobs)
         if not seq.future.set_running_or_notify_cancel():
             self.producer.abort(req.request_id)  # the caller went away: free at once
             return
@@ -376,8 +386,9 @@ class Engine:
         return params
 
     def _finish_lease(self, seq: Sequence) -> dict:
+        cached = {"cached_tokens": seq.num_cached} if seq.num_cached else {}  # (the decode reports it)
         params = self.producer.publish(seq.request_id, seq.block_ids, seq.num_tokens,
-                                       decode_url=seq.request.decode_url)
+                                       decode_url=seq.request.decode_url, **cached)
         seq.block_ids = []
         return params
 
@@ -456,6 +467,18 @@ class Engine:
         else:
             self.metrics.kv_failed.inc()
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (blocks in use stay with their holders); returns how many
+        blocks were freed at once."""
+        freed = self.pool.reset_cache()
+        log.info("prefix cache reset: %d blocks freed", freed)
+        self.refresh_metrics()
+        return freed
+
+    def _count_lookup(self, queried: int, hit: int) -> None:
+        self.metrics.prefix_cache_queries.inc(queried)
+        self.metrics.prefix_cache_hits.inc(hit)
+
     def _update_gauges(self) -> None:
         m = self.metrics
         m.blocks_in_use.set(self.pool.num_used)
@@ -465,6 +488,11 @@ class Engine:
         if expired > self._expired_seen:
             m.lease_expired.inc(expired - self._expired_seen)
             self._expired_seen = expired
+        if (cache := self.pool.cache) is not None:
+            m.prefix_cache_blocks.set(cache.num_cached)
+            if cache.evictions > self._evictions_seen:
+                m.prefix_cache_evictions.inc(cache.evictions - self._evictions_seen)
+                self._evictions_seen = cache.evictions
 
     def refresh_metrics(self) -> None:
         """Bring gauges up to date (called after each step and on every /metrics scrape)."""

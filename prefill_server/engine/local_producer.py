@@ -30,10 +30,11 @@ class LocalProducer(LeaseProducer):
         while not self._stop.wait(0.5):
             self.pool.expire()
 
-    def publish(self, request_id: str, block_ids: list[int], num_tokens: int, *, decode_url: str | None = None) -> dict:
+    def publish(self, request_id: str, block_ids: list[int], num_tokens: int, *, decode_url: str | None = None,
+                cached_tokens: int = 0) -> dict:
         self.pool.lease(request_id, block_ids, self.lease_ttl_s, num_tokens)
         return {"transfer_mode": "local", "request_id": request_id, "num_tokens": num_tokens,
-                "block_ids": list(block_ids)}
+                "block_ids": list(block_ids), "cached_tokens": cached_tokens}
 
     def abort(self, request_id: str, reason: str = "", on_idle: Callable[[], None] | None = None) -> bool:
         released = self.pool.release(request_id)

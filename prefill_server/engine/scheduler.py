@@ -11,6 +11,14 @@ decode has registered (``push_ready``); until then they wait without blocking th
 decode asked for the pull fallback (``wants_pull``), the sequence turns STREAM_THEN_PULL and runs
 like any other from then on (whole prompt resident, chunked); its blocks are leased to the decode at
 the end.
+
+Prefix cache (``KVPool.cache``): a sequence admitted takes, before any new block, the cached blocks
+of its prompt's longest cached head (one reference each) and starts computing after them, as a
+later chunk would; at least the last prompt token is always computed (the first token is sampled
+from its logits), so a fully cached prompt recomputes its last block into a new one. Each full
+block is named in the cache once computed (``advance``). STREAM sequences skip the cache: their
+K/V live in two staging layers, not whole blocks, and the cached prefix would have to be written
+to the decode from pool pages (not done yet).
 """
 from __future__ import annotations
 
@@ -21,6 +29,7 @@ from dataclasses import dataclass, field
 
 from kv_transfer.base import Route, StreamProducer
 from prefill_server.engine.kv_pool import KVPool
+from prefill_server.engine.prefix_cache import block_hashes
 from prefill_server.engine.types import PrefillRequest
 from prefill_server.errors import PoolExhausted, PromptTooLong
 
@@ -35,6 +44,11 @@ class Sequence:
     num_computed: int = 0
     params: dict | None = None  # STREAM: the kv_transfer_params handed to the decode at submit
     abort_requested: bool = False  # Engine.abort while running: a streamed forward stops at its next layer
+    num_cached: int = 0  # prompt tokens found in the prefix cache (not computed)
+    # the prompt's full blocks' hashes (prefix cache on; None: not computed yet) and how many of its
+    # blocks are named in the cache or were found there
+    block_hashes: list[bytes] | None = None
+    num_named: int = 0
     route: Route = field(init=False)  # the request's; STREAM turns STREAM_THEN_PULL if its decode asks
 
     def __post_init__(self) -> None:
@@ -76,7 +90,8 @@ class Scheduler:
     def __init__(self, pool: KVPool, token_budget: int, max_num_seqs: int, max_queue_wait_s: float,
                  stream: StreamProducer | None = None):
         """stream: the producer STREAM sequences wait on (has their decode registered? did it ask
-        for the pull fallback?)."""
+        for the pull fallback?). ``on_lookup(prompt tokens, cached tokens)`` is called for each
+        sequence admitted with the prefix cache on (metrics)."""
         assert token_budget > 0 and max_num_seqs > 0
         self.pool = pool
         self.push_ready = stream.is_ready if stream else (lambda rid: True)
@@ -88,6 +103,7 @@ class Scheduler:
         # the last schedule() stopped admitting because the pool could not hold the next prompt
         # (else the queue waits for compute: the token budget or max_num_seqs)
         self.blocked_on_kv = False
+        self.on_lookup = lambda queried, hit: None
 
     def blocks_for(self, seq_or_n, push: bool = False) -> int:
         if isinstance(seq_or_n, Sequence):
@@ -148,18 +164,24 @@ class Scheduler:
                     seq.route = Route.STREAM_THEN_PULL  # from here on an ordinary sequence
                 elif chunks:
                     break  # a streamed prompt runs in a step of its own
+            cached = self._cached_head(seq)  # (held first: allocate never evicts them)
             try:
-                seq.block_ids = self.pool.allocate(self.blocks_for(seq))
+                seq.block_ids = cached + self.pool.allocate(self.blocks_for(seq) - len(cached))
             except PoolExhausted:
+                self.pool.free(cached)
                 self.blocked_on_kv = True
                 break  # FIFO: wait for leases to end rather than starve long prompts
+            if seq.block_hashes is not None:
+                seq.num_named = len(cached)
+                seq.num_computed = seq.num_cached = len(cached) * self.pool.block_size
+                self.on_lookup(seq.num_tokens, seq.num_cached)
             self.waiting.remove(seq)
             seq.t_first_scheduled = now
             self.running.append(seq)
             if seq.streams:
                 return [Chunk(seq, 0, seq.num_tokens)], timed_out
-            n = min(budget, seq.num_tokens)
-            chunks.append(Chunk(seq, 0, n))
+            n = min(budget, seq.num_tokens - seq.num_computed)
+            chunks.append(Chunk(seq, seq.num_computed, seq.num_computed + n))
             budget -= n
         for seq in list(self.waiting):  # (a push sequence waiting for its decode: see Engine)
             if now - seq.t_submit > self.max_queue_wait_s and (not seq.streams or self.push_ready(seq.request_id)):
@@ -167,15 +189,35 @@ class Scheduler:
                 timed_out.append(seq)
         return chunks, timed_out
 
+    def _cached_head(self, seq: Sequence) -> list[int]:
+        """The cached blocks of the prompt's head, referenced for ``seq`` ([] for STREAM or with
+        the cache off); never the block of the last prompt token."""
+        if self.pool.cache is None or seq.streams:
+            return []
+        if seq.block_hashes is None:  # (the engine hashes at submit, outside its lock)
+            seq.block_hashes = prompt_hashes(self.pool, seq.request.prompt_token_ids)
+        return self.pool.acquire_prefix(seq.block_hashes[:(seq.num_tokens - 1) // self.pool.block_size])
+
     def advance(self, chunks: list[Chunk]) -> list[Sequence]:
-        """Record computed chunks; returns sequences whose whole prompt is now computed."""
+        """Record computed chunks (their full blocks named in the prefix cache); returns sequences
+        whose whole prompt is now computed."""
         done = []
         for c in chunks:
             c.seq.num_computed = c.end
+            self._name_blocks(c.seq)
             if c.is_last:
                 self.running.remove(c.seq)
                 done.append(c.seq)
         return done
+
+    def _name_blocks(self, seq: Sequence) -> None:
+        """Name the sequence's newly computed full blocks in the prefix cache."""
+        if seq.block_hashes is None:
+            return
+        full = min(seq.num_computed // self.pool.block_size, len(seq.block_hashes))
+        if full > seq.num_named:
+            self.pool.cache_blocks(seq.block_ids[seq.num_named:full], seq.block_hashes[seq.num_named:full])
+            seq.num_named = full
 
     def remove(self, seq: Sequence) -> None:
         """Drop a sequence (failed or aborted) and free its blocks."""
@@ -192,3 +234,8 @@ class Scheduler:
             if seq.request_id == request_id:
                 return seq
         return None
+
+
+def prompt_hashes(pool: KVPool, token_ids) -> list[bytes]:
+    """Hashes of a prompt's full blocks in ``pool``'s prefix cache (on)."""
+    return block_hashes(token_ids, pool.block_size, pool.cache_salt)
