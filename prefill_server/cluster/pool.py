@@ -271,6 +271,23 @@ class RayPool:
                 log.info("pool: no metrics from %s (%s)", w, type(e).__name__)
         return pool_metrics.merge(self.metrics.render(), texts, pending)
 
+    def reset_prefix_cache(self) -> int:
+        """Every running worker forgets its cached blocks; returns the blocks freed, summed (a worker
+        that does not answer in time is logged and left out)."""
+        futs = {w["worker"]: asyncio.run_coroutine_threadsafe(self._reset_on(w["worker"]), self._loop)
+                for w in self.workers()}
+        freed = 0
+        for w, f in futs.items():
+            try:
+                freed += int(f.result(CALL_TIMEOUT_S + 1))
+            except Exception as e:  # noqa: BLE001 - a worker going away has no cache to reset
+                log.warning("pool: prefix cache reset on %s failed (%s)", w, type(e).__name__)
+        return freed
+
+    async def _reset_on(self, worker: str) -> int:
+        return await asyncio.wait_for(self._handle.reset_prefix_cache.remote({"_hints": {"replica": worker}}),
+                                      CALL_TIMEOUT_S)
+
     async def _metrics_of(self, worker: str) -> bytes:
         return await asyncio.wait_for(self._handle.metrics_text.remote({"_hints": {"replica": worker}}), CALL_TIMEOUT_S)
 

@@ -101,6 +101,9 @@ class PrefillReplica:
                 "side_channel_host": self.side_channel_host, "started_at": self.started_at,
                 "total_blocks": w.load().total_blocks, "block_size": w.block_size, "max_model_len": w.max_model_len}
 
+    def reset_prefix_cache(self, _request: dict[str, Any] | None = None) -> int:
+        return self.worker.reset_prefix_cache()
+
     def metrics_text(self, _request: dict[str, Any] | None = None) -> bytes:
         return self.worker.render_metrics()
 

@@ -11,6 +11,8 @@ call of a prefill engine, and ``LocalWorker``, the engine in this process behind
     alive()            the step loop runs
     not_ready()        why it cannot take requests now (readiness), [] when it can
     pool_status()      its workers and their load (GET /v1/pool; here: one, this process)
+    reset_prefix_cache()  forget every cached KV block (POST /reset_prefix_cache); blocks in use stay
+                       with their requests. Returns the blocks freed at once (a pool: all workers')
 
 The message types (``PrefillRequest``, ``SamplingParams``, ``PrefillResult``) are re-exported
 here: serving imports this module and nothing else of the engine.
@@ -59,6 +61,7 @@ class PrefillWorker(Protocol):
     def render_metrics(self) -> bytes: ...
     def not_ready(self) -> list[str]: ...
     def pool_status(self) -> dict: ...
+    def reset_prefix_cache(self) -> int: ...
 
 
 class LocalWorker(PrefillWorker):
@@ -111,6 +114,9 @@ class LocalWorker(PrefillWorker):
 
     def not_ready(self) -> list[str]:
         return [] if self.engine.alive() else ["the engine loop has stopped"]
+
+    def reset_prefix_cache(self) -> int:
+        return self.engine.reset_prefix_cache()
 
     def pool_status(self) -> dict:
         load = self.load()

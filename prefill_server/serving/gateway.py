@@ -423,7 +423,8 @@ def _check_prompt_tokens(resp, n: int, rid: str) -> None:
 def _local_answer(service: PrefillService, path: str, r: PrefillResult) -> dict:
     text = service.tokenizer.decode([r.first_token_id])
     usage = {"prompt_tokens": r.num_prompt_tokens, "completion_tokens": 1,
-             "total_tokens": r.num_prompt_tokens + 1}
+             "total_tokens": r.num_prompt_tokens + 1,
+             "prompt_tokens_details": {"cached_tokens": r.num_cached_tokens}}  # (the prefix cache's hit)
     base = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": service.info.served_name,
             "usage": usage}
     if path.endswith("chat/completions"):

@@ -221,6 +221,15 @@ def create_app(service: PrefillService, decodes: DecodeSet | DecodeClient | None
             return service.worker.render_metrics() + vllm_metrics.render(service.info, service.worker.load())
         return Response(await asyncio.to_thread(render), media_type="text/plain; version=0.0.4")
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request):
+        """vLLM's admin call: forget every cached KV block (a pool: on every worker). Needs the API
+        key when one is set (it is outside /v1/)."""
+        if api_keys is not None and (e := api_keys.check(request.headers.get("authorization"))) is not None:
+            return _error(e.http_status, e.message, "Unauthenticated")
+        freed = await asyncio.to_thread(service.worker.reset_prefix_cache)
+        return {"status": "ok", "blocks_freed": freed}
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         tag = _request_tag(request)
