@@ -44,7 +44,7 @@ TARGETS = ["base", "base/prefill", *sorted(f"overlays/{p.name}" for p in (K8S / 
 WITH_DECODE = [t for t in TARGETS if t != "base/prefill"]
 KUBECTL = shutil.which("kubectl")
 needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl not found: these tests render deploy/k8s with "
-                                   "`kubectl kustomize` (kubectl 1.32, e.g. Debian's or Kubernetes' apt package)")
+                                   "`kubectl kustomize` (kubectl 1.32: the apt package kubectl, preinstalled in this machine image)")
 
 
 # ---------------------------------------------------------------- rendering and lookup
