@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
 import time
 
 import httpx
@@ -90,7 +91,8 @@ class DecodeTokenizer:
     def __init__(self, url: str, model: str, timeout_s: float = 10.0, request_timeout_s: float = 600.0):
         self.url, self.model, self.timeout_s = url.rstrip("/"), model, timeout_s
         self.request_timeout_s = request_timeout_s
-        self._sync: httpx.Client | None = None  # one connection for the probe's calls (a client each: ~50 ms)
+        self._sync: httpx.Client | None = None  # one pool for the probe's calls (a client each: ~50 ms)
+        self._sync_lock = threading.Lock()
         self._async: tuple[asyncio.AbstractEventLoop, httpx.AsyncClient] | None = None
 
     # ---- blocking (the start-up probe) ----
@@ -108,15 +110,17 @@ class DecodeTokenizer:
         return _tokens(self.url, r, what)
 
     def _sync_client(self) -> httpx.Client:
-        if self._sync is None:
-            self._sync = httpx.Client(base_url=self.url, timeout=self.timeout_s)
-        return self._sync
+        with self._sync_lock:  # the probe asks from several threads (an httpx.Client is thread-safe)
+            if self._sync is None:
+                self._sync = httpx.Client(base_url=self.url, timeout=self.timeout_s)
+            return self._sync
 
     def close_blocking(self) -> None:
-        """Close the probe's connection (the async client stays for requests)."""
-        if self._sync is not None:
-            self._sync.close()
-            self._sync = None
+        """Close the probe's connections (the async client stays for requests)."""
+        with self._sync_lock:
+            if self._sync is not None:
+                self._sync.close()
+                self._sync = None
 
     def vocab_size(self) -> int | None:
         """The decode model's vocabulary size (vLLM accepts prompt ids below it, and up to its

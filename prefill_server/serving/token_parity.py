@@ -178,23 +178,24 @@ class ParityReport:
         return self.error is None and self.difference is None
 
 
+PROBE_CONCURRENCY = 8  # requests in flight to one decode: a busy decode's API server answers each late
+
+
 def probe(tokenizer, decode: DecodeTokenizer) -> ParityReport:
     """Tokenize every case here and at ``decode``; the first difference, if any."""
     t0 = time.perf_counter()
     todo = cases(tokenizer)
-    theirs: list[Result] = []
-    diff = None
     try:
-        for c in todo:
-            r = _remote(decode, c)
-            theirs.append(r)
-            diff = diff or first_difference(c.name, _local(tokenizer, c), r)
-        vocab = decode.vocab_size()
+        with ThreadPoolExecutor(max_workers=PROBE_CONCURRENCY) as ex:
+            vocab = ex.submit(decode.vocab_size)
+            theirs = list(ex.map(lambda c: _remote(decode, c), todo))
+            vocab_size = vocab.result()
     except DecodeUnavailable as e:
-        return ParityReport(decode.url, len(theirs), time.perf_counter() - t0, error=e.message)
+        return ParityReport(decode.url, 0, time.perf_counter() - t0, error=e.message)
     finally:
         decode.close_blocking()
-    return ParityReport(decode.url, len(todo), time.perf_counter() - t0, diff, vocab_size=vocab,
+    diff = next((d for c, r in zip(todo, theirs) if (d := first_difference(c.name, _local(tokenizer, c), r))), None)
+    return ParityReport(decode.url, len(todo), time.perf_counter() - t0, diff, vocab_size=vocab_size,
                         results=tuple(theirs))
 
 
