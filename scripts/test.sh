@@ -12,10 +12,12 @@ if [ "${1:-}" = "--e2e" ]; then
   export PREFILL_E2E_REQUIRED=${PREFILL_E2E_REQUIRED:-1}
   exec .venv/bin/python -m pytest -ra -m "not slow and not gpu" "$@"
 fi
-# The NIXL tests run in their own process: in one long session, loading NIXL's UCX libraries
+# The NIXL tests (and the prefill instance's, which serves a real NIXL side channel) run in their
+# own process: in one long session, loading NIXL's UCX libraries
 # after Triton's interpreter tests aborted the interpreter once (not understood yet; see issue notes).
 M="not slow and not gpu and not e2e"
-.venv/bin/python -m pytest -ra -m "$M" tests/kv_transfer "$@"
+.venv/bin/python -m pytest -ra -m "$M" tests/kv_transfer tests/serving/test_prefill_instance.py "$@"
 # The pool's tests start local Ray clusters (and fake GPUs): their own process too.
 .venv/bin/python -m pytest -ra -m "$M" tests/cluster "$@"
-exec .venv/bin/python -m pytest -ra -m "$M" --ignore=tests/kv_transfer --ignore=tests/cluster "$@"
+exec .venv/bin/python -m pytest -ra -m "$M" --ignore=tests/kv_transfer --ignore=tests/cluster \
+  --ignore=tests/serving/test_prefill_instance.py "$@"
