@@ -1,5 +1,9 @@
 """deploy/: the Kubernetes manifests and the container images, checked offline.
 
+Why this file is long: its checks share one rendering of every overlay and the helpers that read
+pods out of it; it should be split (render/validate, pod-vs-config, the exercised CPU overlay) when
+it next grows.
+
 - Every Kustomize target renders with ``kubectl kustomize`` and validates strictly: Kubernetes' own
   kinds with kubernetes-validate (``strict=True``, the schemas of the version docs/deploy.md names),
   KubeRay's RayCluster with jsonschema against its CRD's openAPIV3Schema (``data/README.md``), made
