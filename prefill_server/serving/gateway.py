@@ -18,7 +18,6 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -182,11 +181,8 @@ class Gateway:
         result = await svc.prefill(token_ids, sampling)
         rid = result.request_id
         try:
-            params = svc.params_for_prompt(result.kv_transfer_params, len(token_ids))
-            eos = result.first_token_id in svc.eos_token_ids
-            answer = pi.PrefillAnswer(chat, rid, svc.info.served_name,
-                                      "" if eos else svc.tokenizer.decode([result.first_token_id]),
-                                      "stop" if eos else "length", len(token_ids), result.num_cached_tokens, params)
+            answer = _one_token_answer(svc, chat, result,
+                                       svc.params_for_prompt(result.kv_transfer_params, len(token_ids)))
         except BaseException:
             svc.release(rid)
             raise
@@ -215,7 +211,7 @@ class Gateway:
                                      field="kv_transfer_params")
             result = await svc.prefill(token_ids, sampling)
             svc.release(result.request_id)
-            return Answer(_local_answer(svc, path, result))
+            return Answer(_one_token_answer(svc, path.endswith("chat/completions"), result).body())
         if tag:
             log.info("request with X-Request-Id %s: %d prompt tokens", tag, len(token_ids))
         # the decode first: none up fails before computing anything, and a pull-mode KV is
@@ -420,16 +416,10 @@ def _check_prompt_tokens(resp, n: int, rid: str) -> None:
                   rid, used, n)
 
 
-def _local_answer(service: PrefillService, path: str, r: PrefillResult) -> dict:
-    text = service.tokenizer.decode([r.first_token_id])
-    usage = {"prompt_tokens": r.num_prompt_tokens, "completion_tokens": 1,
-             "total_tokens": r.num_prompt_tokens + 1,
-             "prompt_tokens_details": {"cached_tokens": r.num_cached_tokens}}  # (the prefix cache's hit)
-    base = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": service.info.served_name,
-            "usage": usage}
-    if path.endswith("chat/completions"):
-        return {**base, "object": "chat.completion", "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}]}
-    return {**base, "object": "text_completion", "choices": [
-        {"index": 0, "text": text, "finish_reason": "length", "logprobs": None}]}
-
+def _one_token_answer(service: PrefillService, chat: bool, r: PrefillResult,
+                      kv_transfer_params: dict | None = None) -> pi.PrefillAnswer:
+    """The answer of a prefill alone: its first token (with kv_transfer_params for a PD router)."""
+    eos = r.first_token_id in service.eos_token_ids
+    return pi.PrefillAnswer(chat, r.request_id, service.info.served_name,
+                            "" if eos else service.tokenizer.decode([r.first_token_id]), "stop" if eos else "length",
+                            r.num_prompt_tokens, r.num_cached_tokens, kv_transfer_params)

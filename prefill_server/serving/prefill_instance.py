@@ -58,7 +58,8 @@ def wants_remote_decode(raw: dict) -> bool:
 
 @dataclass(frozen=True)
 class PrefillAnswer:
-    """What a prefill instance tells the router about one request."""
+    """A prefill's one-token answer: what a prefill instance tells the router about one request
+    (``kv_transfer_params`` set), or a server without a decode tells its client (None)."""
 
     chat: bool
     request_id: str
@@ -67,7 +68,7 @@ class PrefillAnswer:
     finish_reason: str  # "length", or "stop" when the token ends the answer
     num_prompt_tokens: int
     cached_tokens: int
-    kv_transfer_params: dict
+    kv_transfer_params: dict | None
     created: int = 0
 
     def usage(self) -> dict:
@@ -89,8 +90,10 @@ class PrefillAnswer:
             choice = {"index": 0, "text": self.text, "logprobs": None, "finish_reason": self.finish_reason,
                       "stop_reason": None, "prompt_logprobs": None}
             obj = "text_completion"
-        return {**self._head(), "object": obj, "choices": [choice], "usage": self.usage(),
-                _PARAMS: self.kv_transfer_params}
+        out = {**self._head(), "object": obj, "choices": [choice], "usage": self.usage()}
+        if self.kv_transfer_params is not None:
+            out[_PARAMS] = self.kv_transfer_params
+        return out
 
     def chunks(self, include_usage: bool) -> list[dict]:
         """The answer as stream chunks: the token, then the finish with ``kv_transfer_params``
