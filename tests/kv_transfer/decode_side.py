@@ -72,18 +72,33 @@ def wait_done(receiver, rid: str, timeout: float = 60.0) -> str:
     return "timeout"
 
 
-def ask(port: int, msg) -> wire.Message:
-    """Send one message to a prefill's side channel as any peer could; its answer."""
+def request(port: int, body: bytes, host: str = "127.0.0.1") -> list[bytes]:
+    """One REQ round trip to a side channel, as any peer could make it: the answer's frames."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.RCVTIMEO, 5000)
-    sock.connect(f"tcp://127.0.0.1:{port}")
+    sock.connect(f"tcp://{host}:{port}")
     try:
-        sock.send(wire.encode(msg))
-        return wire.decode(sock.recv())
+        sock.send(body)
+        return sock.recv_multipart()
     finally:
         sock.close(linger=0)
         ctx.term()
+
+
+def ask(port: int, msg) -> wire.Message:
+    """Send one message to a prefill's side channel as any peer could; its answer."""
+    return wire.decode(request(port, wire.encode(msg))[0])
+
+
+def get_meta(port: int, host: str = "127.0.0.1") -> list[bytes]:
+    """A vLLM NixlConnector decode's handshake (pp 0, tp 0): the two frames the producer answers
+    (its ``NixlHandshakePayload`` and a clock reading)."""
+    import msgspec
+
+    from kv_transfer.vllm import nixl_wire
+
+    return request(port, msgspec.msgpack.encode((nixl_wire.GET_META_MSG, 0, 0)), host)
 
 
 def wait_until(cond, timeout=5.0) -> bool:

@@ -9,8 +9,8 @@ import msgspec
 import numpy as np
 import pytest
 import torch
-import zmq
 
+from decode_side import get_meta
 from kv_transfer.base import TransferState
 from kv_transfer.nixl import NixlAgent
 from kv_transfer.vllm import nixl_wire, v0_32
@@ -103,17 +103,7 @@ class FakeVllmDecode:
         self.peer = ""
 
     def handshake(self, host: str, port: int) -> str:
-        ctx = zmq.Context()
-        sock = ctx.socket(zmq.REQ)
-        sock.setsockopt(zmq.RCVTIMEO, 5000)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(f"tcp://{host}:{port}")
-        try:
-            sock.send(msgspec.msgpack.encode((nixl_wire.GET_META_MSG, 0, 0)))
-            payload_bytes, _ts = sock.recv_multipart()
-        finally:
-            sock.close()
-            ctx.term()
+        payload_bytes, _ts = get_meta(port, host)
         payload = msgspec.msgpack.Decoder(nixl_wire.NixlHandshakePayload).decode(payload_bytes)
         self.meta = msgspec.msgpack.Decoder(nixl_wire.NixlAgentMetadata).decode(payload.agent_metadata_bytes)
         self.peer = self.agent.add_remote(self.meta.agent_metadata)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import zmq
 
-from decode_side import wait_until
+from decode_side import get_meta, wait_until
 from kv_transfer.base import TransferState
 from kv_transfer.vllm import nixl_versions, nixl_wire, v0_32, v0_33
 from kv_transfer.vllm.discovery import DecodeFacts
@@ -279,20 +279,6 @@ def test_params_for_prompt_offer_as_many_blocks_as_the_decode_allocates(producer
         nixl_wire.params_for_prompt(params, 49, BS)
 
 
-def _get_meta(port: int) -> None:
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.REQ)
-    sock.setsockopt(zmq.RCVTIMEO, 5000)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(f"tcp://127.0.0.1:{port}")
-    try:
-        sock.send(msgspec.msgpack.encode((nixl_wire.GET_META_MSG, 0, 0)))
-        sock.recv_multipart()
-    finally:
-        sock.close()
-        ctx.term()
-
-
 def test_an_unread_lease_says_its_likely_cause(pool, caplog):
     """A decode that handshook and read nothing most likely refused our hash: the log says which
     facts this side channel declares and the flags that change them; with no handshake at all it
@@ -302,7 +288,7 @@ def test_an_unread_lease_says_its_likely_cause(pool, caplog):
         publish(p, pool, "never-asked")
         assert p.expire_leases(time.monotonic() + 1.0) == ["never-asked"]
         publish(p, pool, "mismatch")
-        _get_meta(p.side_channel_ports[0])
+        get_meta(p.side_channel_ports[0])
         assert p.expire_leases(time.monotonic() + 1.0) == ["mismatch"]
     text = caplog.text
     assert "never-asked expired before a decode read it: no decode asked the side channel" in text

@@ -17,8 +17,8 @@ import subprocess
 import msgspec
 import pytest
 import torch
-import zmq
 
+from decode_side import get_meta
 from kv_transfer.vllm import nixl_versions, nixl_wire, v0_32, v0_33
 from kv_transfer.vllm.discovery import DecodeFacts
 from kv_transfer.vllm.nixl_compat import NixlCompatProducer
@@ -51,18 +51,7 @@ def pool():
 
 
 def handshake(port: int) -> nixl_wire.NixlHandshakePayload:
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.REQ)
-    sock.setsockopt(zmq.RCVTIMEO, 5000)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(f"tcp://127.0.0.1:{port}")
-    try:
-        sock.send(msgspec.msgpack.encode((nixl_wire.GET_META_MSG, 0, 0)))
-        frames = sock.recv_multipart()
-    finally:
-        sock.close()
-        ctx.term()
-    return msgspec.msgpack.Decoder(nixl_wire.NixlHandshakePayload).decode(frames[0])
+    return msgspec.msgpack.Decoder(nixl_wire.NixlHandshakePayload).decode(get_meta(port)[0])
 
 
 # ---------------------------------------------------------------- hash
