@@ -53,7 +53,8 @@ def build_service(ecfg: EngineConfig, scfg: ServerConfig,
     source = ("the decode's --max-model-len" if worker.max_model_len < c.max_position_embeddings
               else "the model's context")
     info = ModelInfo(served, m.path, c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size, worker.max_model_len,
-                     str(m.dtype).removeprefix("torch."), worker.block_size, max_model_len_source=source)
+                     str(m.dtype).removeprefix("torch."), worker.block_size,
+                     max_model_len_source=source, prefix_cache=ecfg.prefix_cache)
     return PrefillService(worker, m.tokenizer, info, backend, first_token=first_token_mode(scfg, backend),
                           eos_token_ids=c.eos_token_ids, parity=parity)
 

@@ -25,6 +25,7 @@ class ModelInfo:
     block_size: int
     kv_layout: str = "LBHNC"  # pool page layout: per layer, per block [H, N, K|V]
     max_model_len_source: str = "the model's context"  # or "the decode's --max-model-len"
+    prefix_cache: bool = False  # --prefix-cache: KV of repeated prompt heads is reused
 
 
 class PrefillService:

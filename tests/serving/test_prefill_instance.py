@@ -72,7 +72,9 @@ def test_a_routers_request_gets_one_token_and_the_params(client, service, name):
     body = r.json()
     assert body["model"] == "m" == service.info.served_name  # --decode-model names the served model too
     n = body["usage"]["prompt_tokens"]
-    assert body["usage"]["completion_tokens"] == 1 and body["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    # the prefix cache's hit (the bodies share heads): reported alike to the client and the decode
+    cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert body["usage"]["completion_tokens"] == 1 and cached % BS == 0 and 0 <= cached < n
     (choice,) = body["choices"]
     assert choice["finish_reason"] in ("length", "stop")
     assert body["object"] == ("chat.completion" if "chat" in req["path"] else "text_completion")
@@ -82,6 +84,7 @@ def test_a_routers_request_gets_one_token_and_the_params(client, service, name):
     assert p["remote_engine_id"] == producer(service).engine_id
     assert p["remote_port"] in producer(service).side_channel_ports and p["remote_host"] == "127.0.0.1"
     assert p["remote_num_tokens"] == n and len(p["remote_block_ids"][0]) == -(-n // BS)
+    assert p["remote_prefill_cached_tokens"] == cached
     assert r.headers["x-request-id"] == req["headers"]["x-request-id"]
     assert used(service) == -(-n // BS)  # leased for the decode; the lease (2 s) frees it: see `client`
 
@@ -133,6 +136,7 @@ def test_routers_read_vllm_series_in_metrics(client, service):
                  "vllm:cache_config_info", "prefill_server:requests_total"):
         assert f"\n{name}{{" in text, name
     assert 'model_name="m"' in text and f'block_size="{BS}"' in text
+    assert 'enable_prefix_caching="True"' in text  # (the engine's default)
 
     def usage() -> float:
         line = next(x for x in client.get("/metrics").text.splitlines() if x.startswith("vllm:kv_cache_usage_perc"))
