@@ -159,11 +159,17 @@ class DecodeTokenizer:
 
 class ThroughDecode:
     """``--tokenizer-parity decode``: every text prompt and chat is tokenized by a decode, the first
-    that answers (all were probed to tokenize alike). Each call is timed; failures are counted."""
+    that answers (all were probed to tokenize alike) and is not held out (it came back tokenizing
+    otherwise: ``hold_out``). Each call is timed; failures are counted."""
 
     def __init__(self, decodes: list[DecodeTokenizer], metrics):
         assert decodes, "tokenizing through the decode needs a decode"
         self.decodes, self.metrics = list(decodes), metrics
+        self._held: set[str] = set()  # urls
+
+    def hold_out(self, url: str, held: bool) -> None:
+        """Whether the decode at ``url`` may tokenize requests (its re-admission probe decides)."""
+        (self._held.add if held else self._held.discard)(url.rstrip("/"))
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await self._call(lambda d: d.encode_async(text, add_special_tokens))
@@ -175,6 +181,10 @@ class ThroughDecode:
         t0 = time.perf_counter()
         last: DecodeUnavailable | None = None
         for d in self.decodes:
+            if d.url in self._held:
+                last = last or DecodeNotReached(f"the decode at {d.url} is held out: it came back tokenizing "
+                                                "otherwise than at start-up")
+                continue
             try:
                 ids = await ask(d)
             except DecodeNotReached as e:  # nothing reached it: the next decode tokenizes alike

@@ -9,15 +9,17 @@ healthy ones and readiness reflects them.
 
 Each decode has a background check of its ``GET /health`` every ``interval_s`` (every second while it
 is down). A request that cannot reach a decode marks it down at once and wakes its check, which marks
-it up again as soon as it answers. ``subscribe(on_change)`` hears whether any decode is up (the gRPC
-health service follows it).
+it up again as soon as it answers and ``admit`` (when given) lets it back: a decode that was down may
+have come back as another server, so the tokenizer parity probe runs again first
+(``token_parity.recheck``); one it keeps out is checked every ``interval_s``. ``subscribe(on_change)``
+hears whether any decode is up (the gRPC health service follows it).
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from prefill_server.errors import DecodeDown
@@ -34,6 +36,7 @@ class Decode:
     up: bool = True  # the server starts once every decode answered (discovery)
     reason: str | None = None  # why it is down
     outstanding: int = 0  # requests sent to it and not finished
+    held_out: bool = False  # it answers, but ``admit`` keeps it out (reason says why)
     wake: asyncio.Event | None = field(default=None, repr=False)
 
     @property
@@ -57,9 +60,11 @@ class Assignment:
 
 
 class DecodeSet:
-    def __init__(self, decodes: Sequence[Decode], interval_s: float = 5.0, metrics=None):
+    def __init__(self, decodes: Sequence[Decode], interval_s: float = 5.0, metrics=None,
+                 admit: Callable[[Decode], Awaitable[str | None]] | None = None):
         assert decodes, "a DecodeSet needs at least one decode"
         self.decodes, self.interval_s, self.metrics = list(decodes), interval_s, metrics
+        self.admit = admit  # a down decode that answers again: why it stays out, or None
         self._turn = itertools.count()
         self._listeners: list[Callable[[bool], None]] = []
         self._tasks: list[asyncio.Task] = []
@@ -161,7 +166,7 @@ class DecodeSet:
         assert d.wake is not None
         while True:
             try:
-                await asyncio.wait_for(d.wake.wait(), self.interval_s if d.up else DOWN_INTERVAL_S)
+                await asyncio.wait_for(d.wake.wait(), self.interval_s if d.up or d.held_out else DOWN_INTERVAL_S)
             except asyncio.TimeoutError:
                 pass
             d.wake.clear()
@@ -169,4 +174,12 @@ class DecodeSet:
                 reason = await d.client.health(timeout_s=max(1.0, min(5.0, self.interval_s)))
             except Exception as e:  # noqa: BLE001 - never let the checker die
                 reason = f"{type(e).__name__}: {e}"
+            held = False
+            if reason is None and not d.up and self.admit is not None:
+                try:
+                    reason = await self.admit(d)
+                except Exception as e:  # noqa: BLE001 - a failed check keeps it out, and is retried
+                    reason = f"its re-admission check failed ({type(e).__name__}: {e})"
+                held = reason is not None
+            d.held_out = held
             self._set(d, reason is None, reason)

@@ -115,13 +115,41 @@ def declared_decodes(ecfg: EngineConfig, scfg: ServerConfig) -> DecodeFacts:
     return facts
 
 
-def decode_set(fleet: tuple[DecodeFacts, ...], backend: TransferBackend, scfg: ServerConfig, metrics) -> DecodeSet | None:
-    """The decodes this gateway sends requests to (none: a prefill instance behind a router)."""
+def decode_set(fleet: tuple[DecodeFacts, ...], backend: TransferBackend, scfg: ServerConfig, metrics,
+               admit=None) -> DecodeSet | None:
+    """The decodes this gateway sends requests to (none: a prefill instance behind a router).
+    ``admit``: the check a decode that was down passes before it takes requests again."""
     reachable = [f for f in fleet if not f.declared]
     if not reachable:
         return None
     return DecodeSet([Decode(DecodeClient(f.url, scfg.decode_timeout_s), backend.decode_group(f)) for f in reachable],
-                     scfg.decode_health_interval_s, metrics)
+                     scfg.decode_health_interval_s, metrics, admit=admit)
+
+
+def parity_recheck(service: PrefillService, scfg: ServerConfig, parity: ParityOutcome,
+                   fleet: tuple[DecodeFacts, ...]):
+    """A decode back from down is probed again (``token_parity.recheck``) before it takes requests:
+    a restart may have given it another tokenizer or chat template. None when nothing was probed at
+    start-up (no decode to ask)."""
+    if not parity.reports:
+        return None
+    from prefill_server.serving import token_parity
+    from prefill_server.serving.decode_tokenizer import DecodeTokenizer
+
+    models = {f.url.rstrip("/"): f.served_model_name for f in fleet}
+
+    async def admit(d: Decode) -> str | None:
+        tok = DecodeTokenizer(d.url, models.get(d.url.rstrip("/"), service.info.served_name),
+                              request_timeout_s=scfg.decode_timeout_s)
+        why = await asyncio.to_thread(token_parity.recheck, service.tokenizer, parity, tok)
+        service.metrics.tokenizer_parity.labels(d.url).set(1 if why is None else 0)
+        if service.through_decode is not None:
+            service.through_decode.hold_out(d.url, why is not None)
+        if why is not None:
+            log.warning("decode %s answers again but stays out of rotation: %s", d.url, why)
+        return why
+
+    return admit
 
 
 def follow_decode(ecfg: EngineConfig, facts: DecodeFacts | None) -> EngineConfig:
@@ -164,7 +192,8 @@ def serve(ecfg: EngineConfig, scfg: ServerConfig) -> None:
         raise ValueError("--protect-metrics needs an API key (--api-key-file, PREFILL_SERVER_API_KEY or --api-key)")
     backend = backend_for(scfg)
     fleet = discover_fleet(scfg, backend, None, ecfg)
-    service = build_service(ecfg, scfg, fleet, check_tokenizers(ecfg, scfg, fleet))
+    parity = check_tokenizers(ecfg, scfg, fleet)
+    service = build_service(ecfg, scfg, fleet, parity)
     service.worker.start()  # (a pool: Ray, and its first worker running)
     try:
         sock = bind(scfg.host, scfg.port)
@@ -174,7 +203,7 @@ def serve(ecfg: EngineConfig, scfg: ServerConfig) -> None:
     host, port = sock.getsockname()[:2]
 
     async def main() -> None:
-        decodes = decode_set(fleet, backend, scfg, service.metrics)
+        decodes = decode_set(fleet, backend, scfg, service.metrics, parity_recheck(service, scfg, parity, fleet))
         drain = asyncio.Event()
         app = create_app(service, decodes, api_keys, max_body_bytes=scfg.max_body_bytes, drain=drain)
         server = _Uvicorn(uvicorn.Config(app, log_level="warning", access_log=False,

@@ -240,6 +240,38 @@ def check_fleet(tokenizer, decodes: list[DecodeTokenizer], policy: str, model_pa
     return ParityOutcome(policy, reports, through, min(vocabs) if vocabs else None)
 
 
+def recheck(tokenizer, outcome: ParityOutcome, decode: DecodeTokenizer) -> str | None:
+    """A decode that was down and answers again may be another server (restarted with its own
+    ``--tokenizer`` or ``--chat-template``, a new model folder): probe it again before it takes
+    requests. Returns why it must stay out of rotation, or None to take it back. The policy is the
+    start-up one: ``refuse`` wants our tokens, ``decode`` the tokens of the other decodes (a request
+    tokenized at one may go to another), ``warn`` only logs."""
+    r = probe(tokenizer, decode)
+    if r.error:
+        problem = f"tokenizer parity could not be checked with the decode at {r.url}: {r.error}"
+    elif outcome.policy == "decode":
+        # alone, a decode that tokenizes every request itself cannot disagree with itself
+        ref = next((x for x in outcome.reports if x.error is None and x.url != r.url), None)
+        problem = next((f"the decode at {r.url} came back tokenizing differently from the decode at {ref.url} "
+                        f"(--tokenizer-parity decode tokenizes every request at either): "
+                        + d.describe(tokenizer, f"at {ref.url}", f"at {r.url}")
+                        for c, a, b in zip(cases(tokenizer), ref.results, r.results)
+                        if (d := first_difference(c.name, a, b))), None) if ref is not None else None
+    else:
+        problem = None if r.difference is None else (
+            f"the decode at {r.url} came back tokenizing differently from this server: "
+            f"{r.difference.describe(tokenizer)}")
+    if problem is None:
+        log.info("tokenizer parity with the decode at %s, back up: %d texts and chats tokenized alike (%.0f ms)",
+                 r.url, r.cases, r.seconds * 1e3)
+        return None
+    if outcome.policy == "warn":
+        log.warning("%s [--tokenizer-parity warn: serving anyway]", problem)
+        return None
+    return (f"{problem}; it takes no requests until it tokenizes as before (restart it with the tokenizer "
+            "and chat template it had), or restart this server to probe the fleet anew")
+
+
 _FIXES = (". KV computed for this server's tokens makes the decode answer otherwise than it would alone, so "
           "the server does not start. Fix one: make the decode tokenize as this server does (the same "
           "tokenizer files and chat template, no --tokenizer or --chat-template of its own, and a config.json "

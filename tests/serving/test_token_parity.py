@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from fastapi.testclient import TestClient
 
-from kv_transfer.vllm.discovery import declared
+from kv_transfer.vllm.discovery import DecodeFacts, declared
 from prefill_server.config import EngineConfig, ServerConfig
 from prefill_server.errors import DecodeUnavailable, InvalidRequest
 from prefill_server.metrics import Metrics
@@ -39,8 +39,12 @@ class StandInDecode:
     to every id after the first (any other tokenizer); "no-tokenize": 404, as a server without it."""
 
     def __init__(self, tokenizer: Tokenizer, alter: str | None = None):
-        self.tok, self.alter, self.bodies = tokenizer, alter, []
+        self.tok, self.alter, self.bodies, self.healthy = tokenizer, alter, [], True
         app = FastAPI()
+
+        @app.get("/health")
+        async def health():
+            return JSONResponse({}, status_code=200 if self.healthy else 503)
 
         @app.post("/tokenize")
         async def tokenize(request: Request):
@@ -305,6 +309,109 @@ def test_grpc_follows_the_policy(local_service):
 
 
 # ---- ids sent as ids ----
+# ---- a decode back from down is probed again ----
+def _recheck_set(svc: PrefillService, outcome: tp.ParityOutcome, decodes: list[StandInDecode]):
+    from prefill_server.serving.decode_client import DecodeClient
+    from prefill_server.serving.decodes import Decode, DecodeSet
+    from prefill_server.serving.server import parity_recheck
+
+    fleet = tuple(DecodeFacts(url=d.url, vllm_version="0.32.0", model="m", served_model_name="m") for d in decodes)
+    admit = parity_recheck(svc, ServerConfig(), outcome, fleet)
+    return DecodeSet([Decode(DecodeClient(d.url, 10.0)) for d in decodes], 0.3, svc.metrics, admit=admit)
+
+
+def _with_parity(local_service, outcome: tp.ParityOutcome) -> PrefillService:
+    s = local_service
+    return PrefillService(s.worker, s.tokenizer, s.info, s.backend, first_token=s.first_token, parity=outcome)
+
+
+async def _until(pred, timeout_s: float = 15.0) -> bool:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while loop.time() < end:
+        if pred():
+            return True
+        await asyncio.sleep(0.05)
+    return pred()
+
+
+def test_a_decode_that_comes_back_tokenizing_otherwise_stays_out_until_it_is_as_before(local_service, tokenizer):
+    from prefill_server.errors import DecodeDown
+
+    with StandInDecode(tokenizer) as d:
+        outcome = tp.check_fleet(tokenizer, [client_of(d)], "refuse")
+        svc = _with_parity(local_service, outcome)
+
+        async def scenario():
+            ds = _recheck_set(svc, outcome, [d])
+            ds.start()
+            try:
+                dec = ds.decodes[0]
+                d.healthy = False  # the decode restarts: down, then back with another tokenizer
+                assert await _until(lambda: not dec.up)
+                d.alter, d.healthy = "shift", True
+                assert await _until(lambda: dec.held_out)
+                assert not dec.up and "came back tokenizing differently from this server" in dec.reason
+                with pytest.raises(DecodeDown, match="takes no requests until it tokenizes as before"):
+                    ds.assign()
+                assert 'tokenizer_parity{decode="%s"} 0.0' % d.url in svc.metrics.render().decode()
+                probes = len(d.bodies)
+                await asyncio.sleep(1.0)  # kept out: re-probed every interval, never admitted
+                assert not dec.up and len(d.bodies) > probes
+                d.alter = None  # restarted as it was: taken back
+                assert await _until(lambda: dec.up)
+                assert not dec.held_out and ds.assign().decode is dec
+                assert 'tokenizer_parity{decode="%s"} 1.0' % d.url in svc.metrics.render().decode()
+            finally:
+                await ds.close()
+
+        asyncio.run(scenario())
+
+
+def test_warn_takes_a_changed_decode_back_and_says_so(local_service, tokenizer, caplog):
+    with StandInDecode(tokenizer) as d:
+        outcome = tp.check_fleet(tokenizer, [client_of(d)], "warn")
+        svc = _with_parity(local_service, outcome)
+
+        async def scenario():
+            ds = _recheck_set(svc, outcome, [d])
+            ds.start()
+            try:
+                ds.report_unreachable(ds.decodes[0], "a request could not reach it")
+                d.alter = "shift"
+                assert await _until(lambda: ds.decodes[0].up)
+            finally:
+                await ds.close()
+
+        with caplog.at_level(logging.WARNING):
+            asyncio.run(scenario())
+        assert "came back tokenizing differently" in caplog.text and "serving anyway" in caplog.text
+
+
+def test_through_decode_a_decode_back_unlike_the_others_tokenizes_and_serves_nothing(local_service, tokenizer):
+    with StandInDecode(tokenizer) as a, StandInDecode(tokenizer) as b:
+        outcome = tp.check_fleet(tokenizer, [client_of(b), client_of(a)], "decode")
+        svc = _with_parity(local_service, outcome)
+
+        async def scenario():
+            ds = _recheck_set(svc, outcome, [a, b])
+            ds.start()
+            try:
+                db = ds.decodes[1]
+                ds.report_unreachable(db, "a request could not reach it")
+                b.alter = "shift"
+                assert await _until(lambda: db.held_out)
+                assert f"tokenizing differently from the decode at {a.url}" in db.reason
+                b.bodies.clear()
+                assert await svc.encode_prompt_async("Hello there") == tokenizer.encode("Hello there")
+                assert b.bodies == []  # b is first in the list, but held out: a tokenized it
+                assert all(ds.assign().decode is ds.decodes[0] for _ in range(3))
+            finally:
+                await ds.close()
+
+        asyncio.run(scenario())
+
+
 def test_ids_are_checked_against_the_decodes_vocabulary(local_service):
     svc = service_through(local_service, None, vocab=1000)
     with TestClient(create_app(svc, None)) as c:
