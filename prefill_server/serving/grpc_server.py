@@ -347,6 +347,13 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         return pb.ListWorkersResponse(routing=status.get("routing") or "", workers=workers,
                                       replica_states=status.get("replica_states") or {})
 
+    @_unary(pb.ResetPrefixCacheRequest)
+    async def ResetPrefixCache(self, request: pb.ResetPrefixCacheRequest, context) -> pb.ResetPrefixCacheResponse:
+        # what POST /reset_prefix_cache does (a pool asks every worker: off the event loop); without a
+        # prefix cache the worker frees nothing and the call succeeds, as the HTTP route answers "ok"
+        freed = await asyncio.to_thread(self.service.worker.reset_prefix_cache)
+        return pb.ResetPrefixCacheResponse(reset=True, blocks_freed=freed)
+
 
 @functools.lru_cache(maxsize=1)
 def _package_version() -> str:

@@ -13,6 +13,7 @@ from prefill_server.backends import LocalBackend
 from prefill_server.engine.engine import Engine
 from prefill_server.engine.kv_pool import KVPool
 from prefill_server.engine.local_producer import LocalProducer
+from prefill_server.engine.prefix_cache import salt_of
 from prefill_server.engine.runner import ModelRunner
 from prefill_server.engine.worker import LocalWorker
 from prefill_server.layers.attention import dense_attention
@@ -78,15 +79,18 @@ class TinyLM(nn.Module):
 
 
 def make_service(*, num_blocks=24, block_size=8, token_budget=64, max_queue_wait_s=0.5, max_model_len=256,
-                 lease_ttl_s=30.0) -> PrefillService:
+                 lease_ttl_s=30.0, prefix_cache=False) -> PrefillService:
+    """prefix_cache: the pool caches prompt heads (as serve does by default; off here unless asked)."""
     model = TinyLM().eval()
-    pool = KVPool(len(model.qkv), num_blocks, model.kv_heads, block_size, model.head_dim, torch.float32)
+    salt = salt_of("/models/tiny", "float32", block_size) if prefix_cache else None
+    pool = KVPool(len(model.qkv), num_blocks, model.kv_heads, block_size, model.head_dim, torch.float32,
+                  cache_salt=salt)
     runner = ModelRunner(model, pool, model.head_dim, torch.device("cpu"))
     engine = Engine(runner, pool, LocalProducer(pool, lease_ttl_s), max_model_len=max_model_len,
                     vocab_size=VOCAB, token_budget=token_budget, max_num_seqs=8,
                     max_queue_wait_s=max_queue_wait_s)
     info = ModelInfo("tiny", "/models/tiny", len(model.qkv), model.kv_heads, model.head_dim, VOCAB,
-                     max_model_len, "float32", block_size)
+                     max_model_len, "float32", block_size, prefix_cache=prefix_cache)
     return PrefillService(LocalWorker(engine), ByteTokenizer(), info, LocalBackend())
 
 

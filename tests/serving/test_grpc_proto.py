@@ -55,7 +55,7 @@ def test_committed_stubs_are_the_generator_output(tmp_path):
 
 def test_servicer_implements_every_method():
     methods = [m.name for m in pb.DESCRIPTOR.services_by_name["PrefillService"].methods]
-    assert methods == ["Prefill", "PrefillStream", "Release", "GetServerInfo", "ListWorkers"]
+    assert methods == ["Prefill", "PrefillStream", "Release", "GetServerInfo", "ListWorkers", "ResetPrefixCache"]
     for name in methods:
         assert name in vars(grpc_server.PrefillServicer), name
     assert grpc_server.SERVICE_NAME == "prefill.v1.PrefillService"

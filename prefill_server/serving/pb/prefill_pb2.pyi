@@ -251,3 +251,15 @@ class ListWorkersResponse(_message.Message):
     workers: _containers.RepeatedCompositeFieldContainer[Worker]
     replica_states: _containers.ScalarMap[str, int]
     def __init__(self, routing: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., replica_states: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetPrefixCacheResponse(_message.Message):
+    __slots__ = ("reset", "blocks_freed")
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FREED_FIELD_NUMBER: _ClassVar[int]
+    reset: bool
+    blocks_freed: int
+    def __init__(self, reset: _Optional[bool] = ..., blocks_freed: _Optional[int] = ...) -> None: ...

@@ -59,6 +59,11 @@ class PrefillServiceStub:
                 request_serializer=prefill_dot_v1_dot_prefill__pb2.ListWorkersRequest.SerializeToString,
                 response_deserializer=prefill_dot_v1_dot_prefill__pb2.ListWorkersResponse.FromString,
                 _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/prefill.v1.PrefillService/ResetPrefixCache',
+                request_serializer=prefill_dot_v1_dot_prefill__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=prefill_dot_v1_dot_prefill__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServiceServicer:
@@ -102,6 +107,16 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetPrefixCache(self, request, context):
+        """Admin: forget every block of the prefix cache (with a pool: on every worker), as vLLM's
+        POST /reset_prefix_cache. KV in use (running requests, leases held for a decode) stays with its
+        holders; later prompts find nothing cached until their heads are computed again. Needs the API key
+        when one is set. Without a prefix cache (--no-prefix-cache) it succeeds and frees nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,6 +144,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.ListWorkers,
                     request_deserializer=prefill_dot_v1_dot_prefill__pb2.ListWorkersRequest.FromString,
                     response_serializer=prefill_dot_v1_dot_prefill__pb2.ListWorkersResponse.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=prefill_dot_v1_dot_prefill__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=prefill_dot_v1_dot_prefill__pb2.ResetPrefixCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -266,6 +286,33 @@ class PrefillService:
             '/prefill.v1.PrefillService/ListWorkers',
             prefill_dot_v1_dot_prefill__pb2.ListWorkersRequest.SerializeToString,
             prefill_dot_v1_dot_prefill__pb2.ListWorkersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prefill.v1.PrefillService/ResetPrefixCache',
+            prefill_dot_v1_dot_prefill__pb2.ResetPrefixCacheRequest.SerializeToString,
+            prefill_dot_v1_dot_prefill__pb2.ResetPrefixCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,
