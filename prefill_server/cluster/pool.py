@@ -32,6 +32,7 @@ from prefill_server.cluster import pool_metrics, routers
 from prefill_server.cluster.autoscaling import POLICY
 from prefill_server.cluster.replica import PrefillReplica, ReplicaSpec
 from prefill_server.cluster.router import PrefillRouter, prefix_hashes
+from prefill_server.engine.prefix_cache import salt_of
 from prefill_server.config import EngineConfig, PoolConfig, ServerConfig
 from prefill_server.engine import build
 from prefill_server.engine.types import PrefillRequest, WorkerLoad
@@ -51,6 +52,8 @@ class RayPool:
         self.spec, self.loaded = spec, loaded
         self.max_model_len, self.block_size = max_model_len, block_size
         self.config: PoolConfig = spec.server.pool
+        # the workers' prefix caches name blocks under this salt (engine/build.py): the router's hints too
+        self.cache_salt = salt_of(loaded.path, str(loaded.dtype), block_size)
         self.metrics = Metrics()  # the gateway's; each worker has its own engine metrics
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="ray-pool", daemon=True)
@@ -164,7 +167,7 @@ class RayPool:
         body = msg.request_to_dict(req)
         hints: dict[str, Any] = {"num_tokens": len(req.prompt_token_ids)}
         if self.config.routing == "prefix":
-            hints["prefix"] = prefix_hashes(req.prompt_token_ids, self.block_size)
+            hints["prefix"] = prefix_hashes(req.prompt_token_ids, self.block_size, self.cache_salt)
         worker = None
         for attempt in (1, 2):
             gen = self._handle.options(stream=True).run.remote({**body, "_hints": hints})
@@ -276,6 +279,8 @@ class RayPool:
         that does not answer in time is logged and left out)."""
         futs = {w["worker"]: asyncio.run_coroutine_threadsafe(self._reset_on(w["worker"]), self._loop)
                 for w in self.workers()}
+        if (r := self._router()) is not None:
+            r.forget_prefixes()
         freed = 0
         for w, f in futs.items():
             try:

@@ -4,7 +4,10 @@ Policies (``--routing``):
     least-tokens  fewest outstanding prompt tokens (default): a 100K-token prompt weighs what it costs
     p2c           the lesser of two workers drawn at random (power of two choices) on the same measure
     prefix        the worker that last took the longest run of this prompt's leading blocks, unless it
-                  has ``prefix_slack_tokens`` more outstanding than the least loaded (then least-tokens)
+                  has ``prefix_slack_tokens`` more outstanding than the least loaded (then least-tokens).
+                  The blocks are named as the workers' prefix caches name them (``prefix_cache.
+                  block_hashes``: the same salt of model, dtype and block size), and a cache reset
+                  makes the router forget them (``forget_prefixes``)
     round-robin   in turn
 
 A worker's outstanding tokens are the larger of what this router sent it and has not seen finish,
@@ -20,7 +23,6 @@ Serve copies this class into the process by value: state shared with the pool li
 """
 from __future__ import annotations
 
-import hashlib
 import itertools
 import random
 from collections import OrderedDict
@@ -29,20 +31,16 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from prefill_server.cluster import routers
+from prefill_server.engine.prefix_cache import block_hashes
 
 PREFIX_BLOCKS = 128  # leading blocks hashed for prefix affinity
 _PREFIX_MEMORY = 65536  # block hashes remembered (least recently used forgotten first)
 
 
-def prefix_hashes(token_ids: list[int] | tuple[int, ...], block_size: int) -> list[str]:
-    """Chained hashes of the prompt's full leading blocks: the i-th names blocks 0..i."""
-    out, h = [], b""
-    for i in range(min(len(token_ids) // block_size, PREFIX_BLOCKS)):
-        block = token_ids[i * block_size:(i + 1) * block_size]
-        h = hashlib.blake2b(h + b"".join(t.to_bytes(4, "little", signed=True) for t in block),
-                            digest_size=12).digest()
-        out.append(h.hex())
-    return out
+def prefix_hashes(token_ids: list[int] | tuple[int, ...], block_size: int, salt: bytes) -> list[str]:
+    """The names a worker's prefix cache gives the prompt's full leading blocks (at most
+    ``PREFIX_BLOCKS``), as text: the i-th names blocks 0..i."""
+    return [h.hex() for h in block_hashes(token_ids, block_size, salt, limit=PREFIX_BLOCKS)]
 
 
 def hints_of(req: PendingRequest | None) -> dict[str, Any]:
@@ -123,6 +121,10 @@ class PrefillRouter(RequestRouter):
             self._prefix.move_to_end(h)
         while len(self._prefix) > _PREFIX_MEMORY:
             self._prefix.popitem(last=False)
+
+    def forget_prefixes(self) -> None:
+        """The workers' prefix caches were reset: no worker holds any block now."""
+        self._prefix.clear()
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         self._sent.get(replica_id.unique_id, {}).pop(internal_request_id, None)

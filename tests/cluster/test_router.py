@@ -4,6 +4,7 @@ worker reported, a release goes to the worker named, a retry avoids the worker t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -83,18 +84,51 @@ def test_p2c_never_picks_the_busiest_of_three():
     assert "c" not in {choose(router, reps, pending(1)) for _ in range(50)}
 
 
+SALT = b"s" * 16
+
+
 def test_prefix_affinity_capped_by_load():
     router = make_router("prefix", slack=2500)
     a, b = Replica("a"), Replica("b")
     doc = list(range(64 * 16))
-    hashes = prefix_hashes(doc + [7, 8, 9], 16)
-    assert len(hashes) == 64 and hashes == prefix_hashes(doc, 16)  # full blocks only
+    hashes = prefix_hashes(doc + [7, 8, 9], 16, SALT)
+    assert len(hashes) == 64 and hashes == prefix_hashes(doc, 16, SALT)  # full blocks only
     home = route(router, [a, b], pending(len(doc), prefix=hashes))
     for q in range(2):  # the same document, other questions: the same worker
-        assert route(router, [a, b], pending(len(doc) + 3, prefix=prefix_hashes(doc + [q] * 3, 16))) == home
+        assert route(router, [a, b], pending(len(doc) + 3, prefix=prefix_hashes(doc + [q] * 3, 16, SALT))) == home
     # the holder now has ~3K outstanding, more than the slack over the idle one: load wins
     other = "b" if home == "a" else "a"
     assert route(router, [a, b], pending(len(doc), prefix=hashes)) == other
+
+
+def test_a_cache_reset_makes_the_router_forget_who_held_what():
+    router = make_router("prefix", slack=10**9)
+    a, b = Replica("a", {"pending_tokens": 0}), Replica("b", {"pending_tokens": 0})
+    hashes = prefix_hashes(list(range(8 * 16)), 16, SALT)
+    home = route(router, [a, b], pending(10, prefix=hashes))
+    assert router._holder([a, b], hashes).replica_id.unique_id == home
+    router.forget_prefixes()
+    assert router._holder([a, b], hashes) is None
+
+
+def test_prefix_hints_name_blocks_as_the_workers_prefix_cache_does():
+    """The pool's hints for a prompt are the hashes a worker's cache gives its blocks: the same
+    chain under the same salt of model, dtype and block size (another salt names other blocks)."""
+    from prefill_server.backends import backend_for
+    from prefill_server.cluster.pool import build_ray_pool
+    from prefill_server.config import EngineConfig, PoolConfig, ServerConfig
+    from prefill_server.engine.prefix_cache import block_hashes
+    from prefill_server.engine.worker import build_local_worker
+
+    ecfg = EngineConfig(dtype="float32", num_kv_blocks=16, block_size=16, prefix_cache=True)
+    scfg = ServerConfig(transfer_mode="local")
+    pool = build_ray_pool(ecfg, dataclasses.replace(scfg, pool=PoolConfig(workers=2)), ())
+    engine_pool = build_local_worker(ecfg, backend_for(scfg), (), side_channel_host="127.0.0.1",
+                                     side_channel_port=0).engine.pool
+    ids = list(range(100, 100 + 5 * 16 + 3))
+    assert pool.cache_salt == engine_pool.cache_salt
+    assert prefix_hashes(ids, 16, pool.cache_salt) == [h.hex() for h in block_hashes(ids, 16, engine_pool.cache_salt)]
+    assert prefix_hashes(ids, 16, SALT) != prefix_hashes(ids, 16, pool.cache_salt)
 
 
 def test_round_robin_takes_turns_whatever_the_load():
