@@ -78,6 +78,10 @@ class AsyncPrefillClient:
     async def list_workers(self, *, timeout: float | None = None) -> pb.ListWorkersResponse:
         return await self._call(self.stub.ListWorkers, pb.ListWorkersRequest(), timeout)
 
+    async def reset_prefix_cache(self, *, timeout: float | None = None) -> int:
+        """Every worker forgets its cached blocks; returns the blocks freed."""
+        return (await self._call(self.stub.ResetPrefixCache, pb.ResetPrefixCacheRequest(), timeout)).blocks_freed
+
     async def health(self, service: str = "", *, timeout: float | None = None) -> str:
         stub = health_pb2_grpc.HealthStub(self.channel)
         r = await self._call(stub.Check, health_pb2.HealthCheckRequest(service=service), timeout)

@@ -87,6 +87,10 @@ class PrefillClient:
         """The prefill workers behind the server and their load."""
         return self._call(self.stub.ListWorkers, pb.ListWorkersRequest(), timeout)
 
+    def reset_prefix_cache(self, *, timeout: float | None = None) -> int:
+        """Every worker forgets its cached blocks; returns the blocks freed."""
+        return self._call(self.stub.ResetPrefixCache, pb.ResetPrefixCacheRequest(), timeout).blocks_freed
+
     def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """The grpc.health.v1 status name ("SERVING", "NOT_SERVING", ...) of service ("" = the server)."""
         stub = health_pb2_grpc.HealthStub(self.channel)

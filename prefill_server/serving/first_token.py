@@ -105,6 +105,7 @@ class FirstToken:
     logprobs: tuple[tuple[int, float], ...] | None  # (sampled, lp), then the top k
     num_prompt_tokens: int
     tokenizer: Any
+    cached_tokens: int | None = None  # the prefill's prefix-cache hit, for usage (None: no prefix cache)
 
     # ---- the decode's request ----
     def decode_body(self, prompt_ids: list[int], served_name: str, kv_transfer_params: dict) -> dict:
@@ -171,7 +172,7 @@ class FirstToken:
     def merge(self, resp: dict) -> dict:
         """The decode's completion of prompt + [t1] -> the client's answer, t1 included."""
         choice = resp["choices"][0]
-        usage = _usage(resp.get("usage"))
+        usage = _usage(resp.get("usage"), self.cached_tokens)
         logprobs = None
         if self.plan.num_logprobs is not None:
             t, l, tops = self._first_lp()
@@ -245,7 +246,7 @@ class StreamState:
             return b"data: " + json.dumps(ev).encode() + b"\n\n"
         extra = {}
         if ev.get("usage") is not None:
-            extra["usage"] = _usage(ev["usage"])
+            extra["usage"] = _usage(ev["usage"], self.ft.cached_tokens)
         choices = []
         for c in ev.get("choices") or []:
             tokens = self.ft._decode_lp(c.get("logprobs")) if self.ft.plan.num_logprobs is not None else None
@@ -256,14 +257,25 @@ class StreamState:
         return self._chunk(choices, **extra)
 
 
-def _usage(u: dict | None) -> dict | None:
+def _usage(u: dict | None, cached_tokens: int | None = None) -> dict | None:
     """The decode counted t1 as prompt; the client's answer counts it as completion."""
     if not u:
         return u
     u = dict(u)
     u["prompt_tokens"] = u.get("prompt_tokens", 1) - 1
     u["completion_tokens"] = u.get("completion_tokens", 0) + 1
-    return u
+    return with_cached_tokens(u, cached_tokens)
+
+
+def with_cached_tokens(usage: dict, cached_tokens: int | None) -> dict:
+    """``usage`` saying in ``prompt_tokens_details.cached_tokens`` how many prompt tokens the
+    prefill took from its prefix cache (what made this answer's first token faster); unchanged
+    without a prefix cache."""
+    if cached_tokens is None or not isinstance(usage, dict):
+        return usage
+    details = usage.get("prompt_tokens_details")
+    return {**usage, "prompt_tokens_details": {**(details if isinstance(details, dict) else {}),
+                                               "cached_tokens": cached_tokens}}
 
 
 def _token_id(s: str) -> int:

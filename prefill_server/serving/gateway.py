@@ -15,6 +15,7 @@ made unnecessary).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -78,6 +79,7 @@ class _Call:
     prefill: asyncio.Future | None = None  # connector push: the prefill running beside the decode
     first: ft.FirstToken | None = None
     release_after: bool = False
+    cached_tokens: int | None = None  # the prefill's prefix-cache hit (None: no prefix cache)
 
 
 class Gateway:
@@ -236,6 +238,9 @@ class Gateway:
                                    decode_url=decode.decode.url)
         first = plan and ft.first_token(plan, svc.tokenizer, svc.eos_token_ids, token_ids,
                                         result.first_token_id, result.first_logprobs, svc.info.max_model_len)
+        cached = result.num_cached_tokens if svc.info.prefix_cache else None
+        if first:
+            first = dataclasses.replace(first, cached_tokens=cached)
         self.metrics.first_token.labels("prefill" if first else "decode").inc()
         params = svc.params_for_prompt(result.kv_transfer_params, len(token_ids) + (1 if first else 0))
         if first:  # the decode continues from prompt + [t1] (serving/first_token.py)
@@ -243,7 +248,7 @@ class Gateway:
         # LEASE_FOR_LATER: the decode's pull may be unnecessary (its own prefix cache): release after
         return await self._to_decode(_Call(path, out, result.request_id, params, len(token_ids), stream, t0,
                                            outcome, decode, first=first or None,
-                                           release_after=route is Route.LEASE_FOR_LATER))
+                                           release_after=route is Route.LEASE_FOR_LATER, cached_tokens=cached))
 
     async def _run_stream(self, path: str, out: dict, token_ids: list[int], sampling: SamplingParams,
                           stream: bool, t0: float, outcome: _Outcome, decode: Assignment) -> Answer | Stream:
@@ -311,6 +316,13 @@ class Gateway:
             _check_prompt_tokens(resp, c.num_prompt_tokens + 1, c.request_id)
             return Answer(c.first.merge(resp.json()))
         _check_prompt_tokens(resp, c.num_prompt_tokens, c.request_id)
+        if c.cached_tokens is not None and resp.status_code < 400:
+            try:
+                body = resp.json()
+            except ValueError:  # not JSON: relayed as it came
+                body = None
+            if isinstance(body, dict) and isinstance(body.get("usage"), dict):
+                return Answer({**body, "usage": ft.with_cached_tokens(body["usage"], c.cached_tokens)})
         return Answer(resp.content, resp.status_code)
 
     async def _raise_prefill_failure(self, c: _Call) -> None:

@@ -5,6 +5,7 @@ readiness is degraded while some are down and fails when all are."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 
 import httpx
@@ -146,3 +147,44 @@ def test_decode_set_picks_within_a_group_and_counts_each_request_once():
         for c in clients:
             await c.close()
     asyncio.run(run())
+
+
+@pytest.fixture()
+def smollm2_short_leases():
+    """The embedded SmolLM2 (fp32, blocks of 16, the prefix cache on: the default) whose leases
+    expire in 1 s: a stand-in decode never reads them."""
+    from prefill_server.config import EngineConfig, ServerConfig
+    from prefill_server.serving.server import build_service
+
+    svc = build_service(EngineConfig(dtype="float32", num_kv_blocks=64, block_size=16, token_budget=256,
+                                     lease_ttl_s=1.0), ServerConfig(transfer_mode="local"))
+    svc.worker.engine.start()
+    yield svc
+    assert wait_for(lambda: svc.worker.engine.pool.num_used == 0, 10)
+    svc.worker.engine.stop()
+
+
+def test_answers_relayed_from_the_decode_say_the_prefills_cached_tokens(smollm2_short_leases):
+    """usage.prompt_tokens_details.cached_tokens is the prefill's prefix-cache hit (whole blocks,
+    never the last token's), on the decode's answer relayed as it came and on one put together
+    with the first token from the prefill; without a prefix cache the decode's usage is untouched."""
+    svc = smollm2_short_leases
+    assert svc.info.prefix_cache
+    prompt = list(range(1000, 1000 + 16 * 3 + 5))  # 53 tokens: 3 whole blocks
+
+    def cached(gw, body: dict):
+        r = httpx.post(gw.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 3, **body})
+        assert r.status_code == 200, r.text
+        return (r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+
+    with FakeDecode() as d:
+        gw = gateway(svc, [d.url])
+        try:
+            assert cached(gw, {"temperature": 0}) == 0  # cold; t1 from the prefill (a merged answer)
+            assert cached(gw, {"temperature": 0}) == 48
+            assert cached(gw, {"temperature": 0.7}) == 48  # sampled at the decode: its answer, relayed
+            svc.info = dataclasses.replace(svc.info, prefix_cache=False)
+            assert cached(gw, {"temperature": 0.7}) is None  # the decode's usage as it came
+        finally:
+            svc.info = dataclasses.replace(svc.info, prefix_cache=True)
+            gw.stop()
