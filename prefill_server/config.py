@@ -31,6 +31,7 @@ class EngineConfig:
     cpu_threads: int = 0  # torch / OpenMP threads on the CPU (0 = measured at start-up: choose_cpu_threads)
     warm_up_tokens: int = 512  # two forwards of this many tokens before serving (0 = none): Engine.warm_up
     prefix_cache: bool = True  # reuse the KV of cached prompt heads (engine/prefix_cache.py)
+    host_cache_gib: float = 0.0  # host memory for blocks the prefix cache evicts (engine/host_cache.py)
 
     def validate(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -39,6 +40,11 @@ class EngineConfig:
             raise ValueError(f"--block-size must be 0 (auto) or a power of two up to 256, not {self.block_size}")
         if self.token_budget < max(self.block_size, 1):
             raise ValueError("--token-budget must be at least the block size")
+        if not self.host_cache_gib >= 0:  # (NaN too)
+            raise ValueError(f"--host-cache-gib must be 0 (off) or a positive size in GiB, not {self.host_cache_gib}")
+        if self.host_cache_gib > 0 and not self.prefix_cache:
+            raise ValueError("--host-cache-gib keeps blocks the prefix cache evicts: it needs --prefix-cache "
+                             "(drop --no-prefix-cache, or --host-cache-gib)")
         if self.max_num_seqs < 1 or self.kv_cache_gib <= 0 or self.num_kv_blocks < 0:
             raise ValueError("--max-num-seqs, --kv-cache-gib must be positive, --num-kv-blocks >= 0")
         if self.attention not in ("dense", "sparse"):

@@ -54,6 +54,10 @@ class Metrics:
                                          "(in use or evictable)", registry=r)
         self.prefix_cache_evictions = Counter(p + "prefix_cache_evictions_total", "Cached KV blocks evicted "
                                               "(least recently used, unreferenced) to make room", registry=r)
+        self.prefix_cache_host_blocks = Gauge(p + "prefix_cache_host_blocks", "Evicted KV blocks kept in the "
+                                              "host tier (--host-cache-gib)", registry=r)
+        self.prefix_cache_host_restored = Counter(p + "prefix_cache_host_restored_total", "KV blocks brought "
+                                                  "back from the host tier for a prompt (hits)", registry=r)
 
         self.tokenize_remote = Histogram(p + "tokenize_remote_seconds", "A prompt tokenized by the decode's "
                                          "/tokenize (--tokenizer-parity decode), round trip", registry=r,

