@@ -206,7 +206,7 @@ class Engine:
         self.validate(req)
         fut: Future = Future()
         hashes = None  # (hashed here, outside the lock: a 128K-token prompt takes milliseconds)
-        if self.pool.cache is not None and req.route is not Route.STREAM:
+        if self.pool.cache is not None:
             hashes = prompt_hashes(self.pool, req.prompt_token_ids)
         with self._wake:
             if self.scheduler.find(req.request_id) or self.pool.get_lease(req.request_id):

@@ -6,7 +6,9 @@ writes the chunk's K/V into the pool pages, then attends each chunk's queries to
 
 A streamed (push) prompt runs alone and whole: at layer l its K/V go to staging slot l % S, the
 producer starts that layer's WRITE at once (overlapping the attention and the next layers), and
-slot reuse waits for the WRITE of layer l - S.
+slot reuse waits for the WRITE of layer l - S. A streamed prompt with a cached head computes only
+the rest (attending to the head's K/V read from its pool blocks); its layer l is then sent from
+the head blocks' layer-l pages followed by the staged rest.
 """
 from __future__ import annotations
 
@@ -31,17 +33,25 @@ class _SeqSlice:
 
 
 class _Stream:
-    """Staging of one streamed prompt: per slot, flat pool pages [m] and per-token pages [T]. An
-    abort of the sequence (``Engine.abort``) stops the forward at the next layer: nothing more is
+    """Staging of one streamed prompt: per slot, flat pool pages of the computed rest [m] and per
+    token [T]; per layer, the pages the WRITE sends (the cached head's, then the slot's). An abort
+    of the sequence (``Engine.abort``) stops the forward at the next layer: nothing more is
     computed or written (the engine then aborts the transfer and frees the staging blocks)."""
 
     def __init__(self, pool: KVPool, producer, seq: Sequence, num_tokens: int, slots: int):
         self.producer, self.seq, self.request_id, self.slots = producer, seq, seq.request_id, slots
-        pos = torch.arange(num_tokens)
-        self.pages = [pool.stream_pages(seq.block_ids, num_tokens, s, slots) for s in range(slots)]
+        self.num_cached = seq.num_cached  # whole blocks: the rest starts on a block boundary
+        head = self.num_cached // pool.block_size
+        self.head_blocks, staging = seq.block_ids[:head], seq.block_ids[head:]
+        rest = num_tokens - self.num_cached
+        pos = torch.arange(rest)
+        slot_pages = [pool.stream_pages(staging, rest, s, slots) for s in range(slots)]
         self.token_pages = [torch.tensor(p, dtype=torch.long)[pos // pool.block_size].to(pool.device)
-                            for p in self.pages]
+                            for p in slot_pages]
         self.offsets = (pos % pool.block_size).to(pool.device)
+        # the producer keeps each list object until the request ends (descriptors are built per list)
+        self.pages = ([[layer * pool.num_blocks + b for b in self.head_blocks] + slot_pages[layer % slots]
+                       for layer in range(pool.num_layers)] if head else slot_pages)
 
     def _aborted(self) -> bool:
         return self.seq.abort_requested
@@ -58,7 +68,15 @@ class _Stream:
         if k.is_cuda:
             event = torch.cuda.Event()
             event.record()
-        self.producer.layer_done(self.request_id, layer, self.pages[slot], event)
+        self.producer.layer_done(self.request_id, layer, self.pages[layer if self.head_blocks else slot], event)
+
+    def context(self, pool: KVPool, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values the rest's queries attend to: the cached head's (from its pool
+        blocks), then the rest's own. k, v: [T, H, D] -> [head + T, H, D]."""
+        if not self.head_blocks:
+            return k, v
+        hk, hv = pool.read(layer, self.head_blocks, self.num_cached)
+        return torch.cat([hk.to(k.dtype), k]), torch.cat([hv.to(v.dtype), v])
 
 
 class PagedAttention:
@@ -74,11 +92,12 @@ class PagedAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q [T, Hq, D], k/v [T, Hkv, D] -> o [T, Hq, D]
-        if self.stream is not None:  # one whole prompt: K/V to staging, attention from k/v as is
+        if self.stream is not None:  # one whole prompt (past a cached head): K/V to staging
             self.stream.write(self.pool, layer, k, v)
-            if self.sparse is not None and self.sparse.wants(layer, k.shape[0]):
-                return self.sparse.attend(layer, q, k, v, self.scale)
-            return dense_attention(q, k, v, self.scale)
+            ks, vs = self.stream.context(self.pool, layer, k, v)
+            if self.sparse is not None and self.sparse.wants(layer, ks.shape[0]):
+                return self.sparse.attend(layer, q, ks, vs, self.scale)
+            return dense_attention(q, ks, vs, self.scale)
         self.pool.write(layer, self.blocks, self.offsets, k, v)
         if len(self.slices) == 1 and self.slices[0].start == 0 and self.sparse is None:
             return dense_attention(q, k, v, self.scale)  # one whole prompt: no gather, no copy
@@ -124,7 +143,7 @@ class ModelRunner:
         stream = None
         if len(chunks) == 1 and chunks[0].seq.streams:
             c = chunks[0]
-            assert c.start == 0 and c.is_last, "a streamed prompt runs whole, in one step"
+            assert c.start == c.seq.num_cached and c.is_last, "a streamed prompt runs whole (past its cached head)"
             assert self.stream_to is not None, "a STREAM request on an engine whose producer does not stream"
             stream = _Stream(self.pool, self.stream_to, c.seq, c.end, Scheduler.STREAM_SLOTS)
         attn = PagedAttention(self.pool, slices, self.scale, self.sparse, stream)

@@ -16,9 +16,10 @@ Prefix cache (``KVPool.cache``): a sequence admitted takes, before any new block
 of its prompt's longest cached head (one reference each) and starts computing after them, as a
 later chunk would; at least the last prompt token is always computed (the first token is sampled
 from its logits), so a fully cached prompt recomputes its last block into a new one. Each full
-block is named in the cache once computed (``advance``). STREAM sequences skip the cache: their
-K/V live in two staging layers, not whole blocks, and the cached prefix would have to be written
-to the decode from pool pages (not done yet).
+block is named in the cache once computed (``advance``). A STREAM sequence takes its cached head
+the same way and stages only the rest: each layer's WRITE then sends the cached blocks' pages of
+that layer as they are, and the computed suffix from staging. Its staging blocks hold layers, not
+prompt positions, so they are never named.
 """
 from __future__ import annotations
 
@@ -166,7 +167,7 @@ class Scheduler:
                     break  # a streamed prompt runs in a step of its own
             cached = self._cached_head(seq)  # (held first: allocate never evicts them)
             try:
-                seq.block_ids = cached + self.pool.allocate(self.blocks_for(seq) - len(cached))
+                seq.block_ids = cached + self.pool.allocate(self._new_blocks(seq, len(cached)))
             except PoolExhausted:
                 self.pool.free(cached)
                 self.blocked_on_kv = True
@@ -179,7 +180,7 @@ class Scheduler:
             seq.t_first_scheduled = now
             self.running.append(seq)
             if seq.streams:
-                return [Chunk(seq, 0, seq.num_tokens)], timed_out
+                return [Chunk(seq, seq.num_computed, seq.num_tokens)], timed_out
             n = min(budget, seq.num_tokens - seq.num_computed)
             chunks.append(Chunk(seq, seq.num_computed, seq.num_computed + n))
             budget -= n
@@ -189,10 +190,18 @@ class Scheduler:
                 timed_out.append(seq)
         return chunks, timed_out
 
+    def _new_blocks(self, seq: Sequence, num_cached_blocks: int) -> int:
+        """Blocks to allocate for ``seq`` past its cached head: the rest of the prompt, or for
+        STREAM the staging of the rest (the cached head's pages are sent as they are)."""
+        if seq.streams:
+            rest = seq.num_kv_tokens - num_cached_blocks * self.pool.block_size
+            return self.pool.stream_blocks_needed(rest, self.STREAM_SLOTS)
+        return self.blocks_for(seq) - num_cached_blocks
+
     def _cached_head(self, seq: Sequence) -> list[int]:
-        """The cached blocks of the prompt's head, referenced for ``seq`` ([] for STREAM or with
-        the cache off); never the block of the last prompt token."""
-        if self.pool.cache is None or seq.streams:
+        """The cached blocks of the prompt's head, referenced for ``seq`` ([] with the cache off);
+        never the block of the last prompt token."""
+        if self.pool.cache is None:
             return []
         if seq.block_hashes is None:  # (the engine hashes at submit, outside its lock)
             seq.block_hashes = prompt_hashes(self.pool, seq.request.prompt_token_ids)
@@ -212,7 +221,7 @@ class Scheduler:
 
     def _name_blocks(self, seq: Sequence) -> None:
         """Name the sequence's newly computed full blocks in the prefix cache."""
-        if seq.block_hashes is None:
+        if seq.block_hashes is None or seq.streams:  # (staging blocks hold layers, not positions)
             return
         full = min(seq.num_computed // self.pool.block_size, len(seq.block_hashes))
         if full > seq.num_named:

@@ -425,3 +425,47 @@ def test_a_posted_layer_reaches_the_decode_without_being_waited_for(setup, loade
         setup.producer.layer_done("pg1", layer, pages, None)
     setup.producer.finish("pg1")
     assert setup.wait("pg1") == "done"
+
+
+def test_a_streamed_prompt_takes_its_cached_head_and_sends_it_from_the_pool(setup, loaded):
+    """A prompt whose head is in the prefix cache computes only the rest; each layer's WRITE sends
+    the head's cached pages and the staged rest: the decode receives a plain forward's K/V for the
+    whole prompt, the first token is the same, and nothing is left held."""
+    ids = loaded.tokenizer.encode("A shared system prompt, then a question of its own. " * 10)
+    head = ids[: 4 * BS]
+    warm = setup.engine.submit(PrefillRequest("warm", tuple(head + [13]), route=Route.LEASE_FOR_LATER))
+    warm.result(timeout=60)
+    assert setup.engine.abort("warm")  # its KV released: its four full blocks stay cached
+    queried = setup.engine.metrics.prefix_cache_hits._value.get()
+    blocks = list(range(120, 120 - -(-len(ids) // BS), -1))
+    fut = setup.run("c1", ids, blocks)
+    assert setup.wait("c1") == "done"
+    res = fut.result(timeout=60)
+    assert res.num_cached_tokens == 4 * BS
+    assert setup.engine.metrics.prefix_cache_hits._value.get() == queried + 4 * BS
+    ref_logits, attn = reference_kv(loaded, ids)
+    assert res.first_token_id == int(torch.argmax(ref_logits))
+    assert_received_equals(setup.caches, blocks, attn, len(ids))
+    assert setup.pool.num_used == 0 and setup.producer.num_active == 0
+    setup.pool.check()
+    assert setup.pool.cache.num_cached == 4  # the staging blocks were never named
+
+
+def test_a_decode_holding_part_of_the_cached_head_is_sent_only_what_it_lacks(setup, loaded):
+    """The decode's own prefix cache holds the first 2 blocks (it registers first_token 2 * BS);
+    ours holds 4: only blocks 2.. cross the wire, from cached pages and staging alike."""
+    ids = loaded.tokenizer.encode("Another shared head for the decode's own cache, and a tail. " * 10)
+    warm = setup.engine.submit(PrefillRequest("warm2", tuple(ids[: 4 * BS + 1]), route=Route.LEASE_FOR_LATER))
+    warm.result(timeout=60)
+    assert setup.engine.abort("warm2")
+    blocks = list(range(-(-len(ids) // BS)))
+    fut = setup.run("c2", ids, blocks, first_token=2 * BS)
+    assert setup.wait("c2") == "done"
+    assert fut.result(timeout=60).num_cached_tokens == 4 * BS
+    _, attn = reference_kv(loaded, ids)
+    for layer in range(loaded.config.num_layers):
+        k, v = received(setup.caches, layer, blocks, len(ids))
+        assert not k[: 2 * BS].any() and not v[: 2 * BS].any()  # never sent: the decode had them
+        torch.testing.assert_close(k[2 * BS:], attn.keys[layer][2 * BS:], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(v[2 * BS:], attn.values[layer][2 * BS:], rtol=1e-4, atol=1e-4)
+    assert setup.pool.num_used == 0 and setup.producer.num_active == 0
