@@ -8,7 +8,9 @@ A streamed (push) prompt runs alone and whole: at layer l its K/V go to staging 
 producer starts that layer's WRITE at once (overlapping the attention and the next layers), and
 slot reuse waits for the WRITE of layer l - S. A streamed prompt with a cached head computes only
 the rest (attending to the head's K/V read from its pool blocks); its layer l is then sent from
-the head blocks' layer-l pages followed by the staged rest.
+the head blocks' layer-l pages followed by the rest's. With room in the pool (``stream_whole``)
+the rest goes into the prompt's own whole blocks instead of staging: no slot to wait for, and
+the blocks are cached for later prompts.
 """
 from __future__ import annotations
 
@@ -41,16 +43,22 @@ class _Stream:
     def __init__(self, pool: KVPool, producer, seq: Sequence, num_tokens: int, slots: int):
         self.producer, self.seq, self.request_id, self.slots = producer, seq, seq.request_id, slots
         self.num_cached = seq.num_cached  # whole blocks: the rest starts on a block boundary
+        self.whole, nb = seq.stream_whole, pool.num_blocks
         head = self.num_cached // pool.block_size
         self.head_blocks, staging = seq.block_ids[:head], seq.block_ids[head:]
         rest = num_tokens - self.num_cached
         pos = torch.arange(rest)
+        self.offsets = (pos % pool.block_size).to(pool.device)
+        # the producer keeps each list object until the request ends (descriptors are built per list)
+        if self.whole:  # layer l of block b is flat page l * NB + b
+            own = seq.block_ids[:pool.blocks_needed(num_tokens)]
+            self.token_blocks = torch.tensor(staging, dtype=torch.long)[pos // pool.block_size].to(pool.device)
+            self.pages = [[layer * nb + b for b in own] for layer in range(pool.num_layers)]
+            return
         slot_pages = [pool.stream_pages(staging, rest, s, slots) for s in range(slots)]
         self.token_pages = [torch.tensor(p, dtype=torch.long)[pos // pool.block_size].to(pool.device)
                             for p in slot_pages]
-        self.offsets = (pos % pool.block_size).to(pool.device)
-        # the producer keeps each list object until the request ends (descriptors are built per list)
-        self.pages = ([[layer * pool.num_blocks + b for b in self.head_blocks] + slot_pages[layer % slots]
+        self.pages = ([[layer * nb + b for b in self.head_blocks] + slot_pages[layer % slots]
                        for layer in range(pool.num_layers)] if head else slot_pages)
 
     def _aborted(self) -> bool:
@@ -60,15 +68,19 @@ class _Stream:
         if self.seq.abort_requested:
             raise RequestCancelled(f"request {self.request_id} was aborted (at layer {layer})")
         slot = layer % self.slots
-        if layer >= self.slots:
-            # the slot's previous WRITE; an abort meanwhile stops the wait at once (Engine.abort)
-            self.producer.wait_layer(self.request_id, layer - self.slots, stop=self._aborted)
-        pool.write_flat(self.token_pages[slot], self.offsets, k, v)
+        if self.whole:
+            pool.write(layer, self.token_blocks, self.offsets, k, v)
+        else:
+            if layer >= self.slots:
+                # the slot's previous WRITE; an abort meanwhile stops the wait at once (Engine.abort)
+                self.producer.wait_layer(self.request_id, layer - self.slots, stop=self._aborted)
+            pool.write_flat(self.token_pages[slot], self.offsets, k, v)
         event = None
         if k.is_cuda:
             event = torch.cuda.Event()
             event.record()
-        self.producer.layer_done(self.request_id, layer, self.pages[layer if self.head_blocks else slot], event)
+        per_layer = self.whole or self.head_blocks
+        self.producer.layer_done(self.request_id, layer, self.pages[layer if per_layer else slot], event)
 
     def context(self, pool: KVPool, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values the rest's queries attend to: the cached head's (from its pool

@@ -17,9 +17,10 @@ of its prompt's longest cached head (one reference each) and starts computing af
 later chunk would; at least the last prompt token is always computed (the first token is sampled
 from its logits), so a fully cached prompt recomputes its last block into a new one. Each full
 block is named in the cache once computed (``advance``). A STREAM sequence takes its cached head
-the same way and stages only the rest: each layer's WRITE then sends the cached blocks' pages of
-that layer as they are, and the computed suffix from staging. Its staging blocks hold layers, not
-prompt positions, so they are never named.
+the same way and computes only the rest: each layer's WRITE then sends the cached blocks' pages of
+that layer as they are, and the rest's. The rest goes into whole blocks of its own when the pool
+has them free (``stream_whole``: named like any prompt's, so later prompts hit them), else into
+staging, whose blocks hold layers, not prompt positions, and are never named.
 """
 from __future__ import annotations
 
@@ -45,6 +46,9 @@ class Sequence:
     num_computed: int = 0
     params: dict | None = None  # STREAM: the kv_transfer_params handed to the decode at submit
     abort_requested: bool = False  # Engine.abort while running: a streamed forward stops at its next layer
+    # STREAM with the prefix cache on and room in the pool: its layers go into its own whole blocks
+    # (named in the cache as computed), not into staging
+    stream_whole: bool = False
     num_cached: int = 0  # prompt tokens found in the prefix cache (not computed)
     # the prompt's full blocks' hashes (prefix cache on; None: not computed yet) and how many of its
     # blocks are named in the cache or were found there
@@ -194,6 +198,10 @@ class Scheduler:
         """Blocks to allocate for ``seq`` past its cached head: the rest of the prompt, or for
         STREAM the staging of the rest (the cached head's pages are sent as they are)."""
         if seq.streams:
+            whole = self.pool.blocks_needed(seq.num_kv_tokens) - num_cached_blocks
+            seq.stream_whole = self.pool.cache is not None and whole <= self.pool.num_free
+            if seq.stream_whole:
+                return whole
             rest = seq.num_kv_tokens - num_cached_blocks * self.pool.block_size
             return self.pool.stream_blocks_needed(rest, self.STREAM_SLOTS)
         return self.blocks_for(seq) - num_cached_blocks
@@ -221,7 +229,7 @@ class Scheduler:
 
     def _name_blocks(self, seq: Sequence) -> None:
         """Name the sequence's newly computed full blocks in the prefix cache."""
-        if seq.block_hashes is None or seq.streams:  # (staging blocks hold layers, not positions)
+        if seq.block_hashes is None or (seq.streams and not seq.stream_whole):  # (staging holds layers)
             return
         full = min(seq.num_computed // self.pool.block_size, len(seq.block_hashes))
         if full > seq.num_named:

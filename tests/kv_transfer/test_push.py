@@ -41,8 +41,9 @@ def geometry(loaded, block_size=BS):
 
 
 class Setup:
-    def __init__(self, loaded, num_blocks=64, register_timeout_s=60.0, transfer_timeout_s=20.0):
-        cfg = EngineConfig(dtype="float32", num_kv_blocks=num_blocks, block_size=BS, token_budget=4096)
+    def __init__(self, loaded, num_blocks=64, register_timeout_s=60.0, transfer_timeout_s=20.0, prefix_cache=True):
+        cfg = EngineConfig(dtype="float32", num_kv_blocks=num_blocks, block_size=BS, token_budget=4096,
+                           prefix_cache=prefix_cache)
         self.pool = build.make_pool(cfg, loaded)
         self.producer = PushProducer(self.pool, geometry(loaded), SECRET, register_timeout_s=register_timeout_s,
                                      transfer_timeout_s=transfer_timeout_s)
@@ -110,7 +111,16 @@ def test_streamed_kv_equals_a_plain_forward_and_frees_everything(setup, loaded):
     assert setup.pool.num_used == 0 and setup.producer.num_active == 0
 
 
-def test_layers_are_written_while_later_layers_compute(setup, loaded):
+@pytest.fixture()
+def staging(loaded):
+    """No prefix cache: a streamed prompt always goes through the two staging layers."""
+    s = Setup(loaded, prefix_cache=False)
+    yield s
+    s.close()
+
+
+def test_layers_are_written_while_later_layers_compute(staging, loaded):
+    setup = staging
     ids = loaded.tokenizer.encode("Layer by layer. " * 60)
     fut = setup.run("t1", ids, list(range(-(-len(ids) // BS))))
     assert setup.wait("t1") == "done"
@@ -427,11 +437,22 @@ def test_a_posted_layer_reaches_the_decode_without_being_waited_for(setup, loade
     assert setup.wait("pg1") == "done"
 
 
-def test_a_streamed_prompt_takes_its_cached_head_and_sends_it_from_the_pool(setup, loaded):
+@pytest.mark.parametrize("num_blocks", [64, 7], ids=["whole blocks", "staging"])
+def test_a_streamed_prompt_takes_its_cached_head_and_sends_it_from_the_pool(loaded, num_blocks):
     """A prompt whose head is in the prefix cache computes only the rest; each layer's WRITE sends
-    the head's cached pages and the staged rest: the decode receives a plain forward's K/V for the
-    whole prompt, the first token is the same, and nothing is left held."""
+    the head's cached pages and the rest's (in whole blocks of its own when the pool has room, else
+    staged): the decode receives a plain forward's K/V for the whole prompt, the first token is the
+    same, and nothing is left held. In whole blocks the prompt is cached for the next one."""
+    setup = Setup(loaded, num_blocks=num_blocks)
+    try:
+        _streamed_head_hit(setup, loaded, whole=num_blocks == 64)
+    finally:
+        setup.close()
+
+
+def _streamed_head_hit(setup, loaded, whole: bool):
     ids = loaded.tokenizer.encode("A shared system prompt, then a question of its own. " * 10)
+    assert 7 * BS < len(ids) <= 8 * BS  # 8 blocks: with the head held, 7 cannot hold the rest whole
     head = ids[: 4 * BS]
     warm = setup.engine.submit(PrefillRequest("warm", tuple(head + [13]), route=Route.LEASE_FOR_LATER))
     warm.result(timeout=60)
@@ -448,7 +469,14 @@ def test_a_streamed_prompt_takes_its_cached_head_and_sends_it_from_the_pool(setu
     assert_received_equals(setup.caches, blocks, attn, len(ids))
     assert setup.pool.num_used == 0 and setup.producer.num_active == 0
     setup.pool.check()
-    assert setup.pool.cache.num_cached == 4  # the staging blocks were never named
+    assert setup.pool.cache.num_cached == (len(ids) // BS if whole else 4)  # staging is never named
+    if whole:  # the streamed prompt's own blocks serve the next one
+        fut = setup.run("c1-again", ids, blocks)
+        assert setup.wait("c1-again") == "done"
+        res = fut.result(timeout=60)
+        assert res.num_cached_tokens == (len(ids) - 1) // BS * BS and res.first_token_id == int(torch.argmax(ref_logits))
+        assert_received_equals(setup.caches, blocks, attn, len(ids))
+        assert setup.pool.num_used == 0
 
 
 def test_a_decode_holding_part_of_the_cached_head_is_sent_only_what_it_lacks(setup, loaded):

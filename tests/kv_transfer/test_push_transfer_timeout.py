@@ -5,7 +5,9 @@ blocks come back once the configured transfer timeout gives the WRITE up. Also: 
 setting (``serve --transfer-timeout``, ``ServerConfig``), capped at the lease time by default.
 
 The WRITEs are real (NIXL/UCX on DRAM, the engine and receiver of test_push.py); only the
-producer's handle-state check is substituted, reporting "PROC" forever for the stuck ones."""
+producer's handle-state check is substituted, reporting "PROC" forever for the stuck ones. The
+prefix cache is off where blocks are counted: with it, a prompt the pool has room for streams from
+whole blocks of its own instead of the two staging layers these counts expect."""
 from __future__ import annotations
 
 import socket
@@ -66,7 +68,7 @@ def wait_for(predicate, timeout_s: float) -> float:
 
 def test_abort_with_a_write_that_never_completes_does_not_stall_the_engine(loaded):
     T = 4.0  # the configured transfer timeout
-    s = Setup(loaded, transfer_timeout_s=T)
+    s = Setup(loaded, transfer_timeout_s=T, prefix_cache=False)
     calls = []  # (request id, engine lock held?, seconds) per producer.abort call
     abort = s.producer.abort
 
@@ -119,7 +121,7 @@ def test_abort_with_a_write_that_never_completes_does_not_stall_the_engine(loade
 def stuck(loaded):
     """A Setup with a short transfer timeout (``T_SHORT``) and a request "sw" whose layer 0 WRITE
     never completes."""
-    s = Setup(loaded, transfer_timeout_s=T_SHORT)
+    s = Setup(loaded, transfer_timeout_s=T_SHORT, prefix_cache=False)
     try:
         stuck_write(s, "sw")
         yield s
@@ -215,7 +217,7 @@ def test_a_forward_waiting_on_a_write_that_never_completes_stops_at_once(loaded,
     transfer timeout gives the WRITE up. (Before: the engine's loop sat in the wait for the
     whole transfer timeout.)"""
     T = 5.0
-    s = Setup(loaded, transfer_timeout_s=T)
+    s = Setup(loaded, transfer_timeout_s=T, prefix_cache=False)
     try:
         L = loaded.config.num_layers
         ids = loaded.tokenizer.encode("This WRITE never completes. " * 40)
@@ -265,7 +267,7 @@ def test_a_decode_cancel_waits_for_its_write_without_stalling_the_side_channel(l
     blocks under a WRITE; meanwhile the side channel answers other decodes at once. (Before: the
     service thread waited in the Cancel for the whole transfer timeout.)"""
     T = 5.0
-    s = Setup(loaded, transfer_timeout_s=T)
+    s = Setup(loaded, transfer_timeout_s=T, prefix_cache=False)
     try:
         stuck_write(s, "sw")
         t0 = time.monotonic()
@@ -308,7 +310,7 @@ def test_a_decode_cancel_waits_past_its_rpc_timeout_for_the_prefill_to_give_the_
     the Register's Ack announced. (Before: the Cancel gave up at the RPC timeout and reported the
     request cancelled while the WRITE could still land in blocks vLLM would reuse.)"""
     T = 3.0
-    s = Setup(loaded, transfer_timeout_s=T)
+    s = Setup(loaded, transfer_timeout_s=T, prefix_cache=False)
     try:
         s.receiver.rpc_timeout_s = 0.5
         stuck_write(s, "sw")
@@ -333,7 +335,7 @@ def test_a_push_the_decode_gives_up_is_reported_failed_once_the_prefill_stops_wr
     request on the prefill and reports the failure (vLLM then frees the blocks) only once the
     prefill acknowledges, T after that Cancel. (Before: it reported the failure at once.)"""
     T = 3.0
-    s = Setup(loaded, transfer_timeout_s=T)
+    s = Setup(loaded, transfer_timeout_s=T, prefix_cache=False)
     try:
         s.receiver.timeout_s = 1.0  # (read when the request is registered)
         t0 = time.monotonic()
