@@ -1,5 +1,8 @@
 """The prefill engine: one thread runs ``schedule -> forward -> sample -> hand the KV over -> release``.
 
+Why this file is long: the step loop, the hand-over of each route and the failure paths share the
+engine lock and one request lifecycle (below); split apart, that lifecycle would be read across files.
+
 Request lifecycle (who frees what):
 
     submit ──> WAITING ──(pool holds the whole prompt)──> RUNNING (chunks over several steps)

@@ -2,7 +2,10 @@
 probe's report, the three policies and their messages, tokenizing through the decode (HTTP and
 gRPC), and the decode's vocabulary for prompts sent as ids. The decode here is a stand-in for
 vLLM 0.32's ``POST /tokenize`` running the embedded SmolLM2 tokenizer, optionally altered; the
-real vLLM tokenizer is checked in the slow test at the end and in tests/e2e/test_tokenizer_parity.py."""
+real vLLM tokenizer is checked in the slow test at the end and in tests/e2e/test_tokenizer_parity.py.
+
+Why this file is long: every part (probe, policies, tokenizing through the decode, re-probing a
+decode back from down) runs against the one stand-in decode defined here."""
 from __future__ import annotations
 
 import asyncio
