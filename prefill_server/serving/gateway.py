@@ -312,17 +312,17 @@ class Gateway:
         self.metrics.e2e_time.observe(time.monotonic() - c.t0)
         if c.release_after:
             svc.release(c.request_id)
+        try:
+            body = resp.json()  # (once: the checks and the answer share it)
+        except ValueError:  # not JSON: relayed as it came
+            body = None
         if c.first and resp.status_code < 400:
-            _check_prompt_tokens(resp, c.num_prompt_tokens + 1, c.request_id)
-            return Answer(c.first.merge(resp.json()))
-        _check_prompt_tokens(resp, c.num_prompt_tokens, c.request_id)
-        if c.cached_tokens is not None and resp.status_code < 400:
-            try:
-                body = resp.json()
-            except ValueError:  # not JSON: relayed as it came
-                body = None
-            if isinstance(body, dict) and isinstance(body.get("usage"), dict):
-                return Answer({**body, "usage": ft.with_cached_tokens(body["usage"], c.cached_tokens)})
+            _check_prompt_tokens(body, c.num_prompt_tokens + 1, c.request_id)
+            return Answer(c.first.merge(body if body is not None else resp.json()))
+        _check_prompt_tokens(body, c.num_prompt_tokens, c.request_id)
+        if c.cached_tokens is not None and resp.status_code < 400 \
+                and isinstance(body, dict) and isinstance(body.get("usage"), dict):
+            return Answer({**body, "usage": ft.with_cached_tokens(body["usage"], c.cached_tokens)})
         return Answer(resp.content, resp.status_code)
 
     async def _raise_prefill_failure(self, c: _Call) -> None:
@@ -417,10 +417,11 @@ def _consume(fut) -> None:
         log.info("streamed prefill ended with %s", type(fut.exception()).__name__)
 
 
-def _check_prompt_tokens(resp, n: int, rid: str) -> None:
-    """The decode must have used exactly our tokens; a mismatch means tokenizers disagree."""
+def _check_prompt_tokens(body, n: int, rid: str) -> None:
+    """The decode must have used exactly our tokens (``body``: its answer, parsed); a mismatch
+    means tokenizers disagree."""
     try:
-        used = resp.json().get("usage", {}).get("prompt_tokens")
+        used = body.get("usage", {}).get("prompt_tokens")
     except Exception:
         return
     if used is not None and used != n:
