@@ -139,10 +139,6 @@ class ConnectorBackend(TransferBackend):
     def decode_kv_transfer_config(cls, secret_file=None):
         return vllm_connector_config(secret_file)
 
-    @classmethod
-    def decode_flags(cls, block_size=32):
-        return [*super().decode_flags(block_size), "--no-enable-prefix-caching"]  # (tested with it off)
-
 
 class LocalBackend(TransferBackend):
     name = "local"

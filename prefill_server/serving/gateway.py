@@ -312,6 +312,8 @@ class Gateway:
         self.metrics.e2e_time.observe(time.monotonic() - c.t0)
         if c.release_after:
             svc.release(c.request_id)
+        if c.prefill is not None and svc.info.prefix_cache:
+            c.cached_tokens = await _streamed_cached_tokens(c.prefill)
         try:
             body = resp.json()  # (once: the checks and the answer share it)
         except ValueError:  # not JSON: relayed as it came
@@ -415,6 +417,16 @@ def _consume(fut) -> None:
     """Retrieve a background prefill's exception so asyncio does not log it as unhandled."""
     if not fut.cancelled() and fut.exception() is not None:
         log.info("streamed prefill ended with %s", type(fut.exception()).__name__)
+
+
+async def _streamed_cached_tokens(prefill: asyncio.Future, wait_s: float = 2.0) -> int | None:
+    """A streamed prefill's prefix-cache hit, for the answer's usage. The decode answers once every
+    layer reached it, so the prefill has (nearly always) ended; None if it has not within ``wait_s``
+    or failed (the answer then carries the decode's own usage)."""
+    await asyncio.wait([prefill], timeout=wait_s)
+    if not prefill.done() or prefill.cancelled() or prefill.exception() is not None:
+        return None
+    return prefill.result().num_cached_tokens
 
 
 def _check_prompt_tokens(body, n: int, rid: str) -> None:

@@ -41,12 +41,12 @@ def secret_file(tmp_path_factory):
 
 def connector_vllm(model_dir, log_path, secret_file: str, dtype: str,
                    transfer_timeout_s: float = TRANSFER_TIMEOUT_S, extra_args=(),
-                   transfer_mode: str | None = None) -> VllmDecode:
+                   transfer_mode: str | None = None, prefix_caching: bool = False) -> VllmDecode:
     from conftest import DECODE_BLOCK_SIZE
 
     return VllmDecode(model=str(model_dir), log_path=log_path, dtype=dtype, block_size=DECODE_BLOCK_SIZE,
                       kv_transfer_config=vllm_connector_config(secret_file, transfer_timeout_s, transfer_mode),
-                      extra_args=list(extra_args))
+                      extra_args=list(extra_args), prefix_caching=prefix_caching)
 
 
 def running_connector_decode(decode_model_dir, tmp_path_factory, secret_file, name: str, **options):

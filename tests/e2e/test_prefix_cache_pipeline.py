@@ -66,8 +66,10 @@ def gateway_for(decode: VllmDecode) -> GatewayThread:
     return GatewayThread(svc, decode.url).start()
 
 
-def check(decode: VllmDecode) -> None:
-    gw = gateway_for(decode)
+def check(decode: VllmDecode, gw: GatewayThread | None = None) -> None:
+    """Every case of ``cases`` through ``gw`` (default: a nixl-compat gateway) answers as ``decode``
+    alone and reports the cached tokens it should; nothing is left leased."""
+    gw = gw or gateway_for(decode)
     try:
         model = decode.served_model_name()
         failures = []
