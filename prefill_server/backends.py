@@ -7,6 +7,8 @@ mode names.
     connector    our kv_transfer.vllm.connector   we WRITE        STREAM; LEASE_FOR_LATER when the
                                                                   first token is ours and it fits
     local        nothing (no decode)              -               LEASE (first token answered here)
+    sglang       stock SGLang 0.5.23, PD decode   we WRITE        STREAM (the first token ours, in its
+                 (--decode-engine sglang)                         aux row)
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from typing import Any, ClassVar
 
 from kv_transfer.base import KVPages, Producer, Route
 from kv_transfer.vllm.discovery import DecodeFacts
-from prefill_server.config import TRANSFER_MODES, ConnectorConfig, NixlCompatConfig, ServerConfig
+from prefill_server.config import TRANSFER_MODES, ConnectorConfig, NixlCompatConfig, ServerConfig, SGLangConfig
 from prefill_server.connector_config import NIXL_CONSUMER, vllm_connector_config
 
 log = logging.getLogger(__name__)
@@ -30,6 +32,13 @@ class TransferBackend(ABC):
     serves_pd_routers: ClassVar[bool] = False
     # --first-token auto: who samples a greedy request's first token ("prefill" | "decode")
     auto_first_token: ClassVar[str] = "decode"
+    # the decode continues from the first token (and its logprobs) our prefill sampled, read from us
+    reads_first_token: ClassVar[bool] = False
+
+    @property
+    def bootstrap_port(self) -> int | None:
+        """Where SGLang decodes find us (requests with a bootstrap_room); None: no SGLang here."""
+        return None
 
     @abstractmethod
     def make_producer(self, pool: KVPages, model_path: str, fleet: tuple[DecodeFacts, ...], host: str, port: int,
@@ -54,6 +63,15 @@ class TransferBackend(ABC):
     def params_for_prompt(self, params: dict[str, Any], num_decode_tokens: int, block_size: int) -> dict[str, Any]:
         """A prefill's kv_transfer_params fitted to the prompt the decode is sent (its length)."""
         return params
+
+    def pool_block_size(self, fleet: tuple[DecodeFacts, ...]) -> int | None:
+        """Our KV pool's block size when --block-size is auto (None: the engine's default): the
+        decodes' (a stock vLLM decode reads or is sent whole blocks of its own size)."""
+        return next((f.block_size for f in fleet if f.block_size), None)
+
+    def to_decode(self, body: dict[str, Any], params: dict[str, Any]) -> None:
+        """Put a prefill's params into the decode's request body (vLLM: ``kv_transfer_params``)."""
+        body["kv_transfer_params"] = params
 
     @classmethod
     def decode_kv_transfer_config(cls, secret_file: str | None = None) -> dict[str, Any]:
@@ -156,12 +174,59 @@ class LocalBackend(TransferBackend):
         return Route.LEASE
 
 
+class SGLangBackend(TransferBackend):
+    """SGLang decodes (kv_transfer/sglang/): the decode pre-allocates its pages and finds us through
+    our bootstrap server; each layer is WRITTEN as computed, then the aux row with our first token."""
+
+    name = "sglang"
+    # the gateway relays the decode's answer as it comes: its first token is already ours (the aux row)
+    auto_first_token = "decode"
+    reads_first_token = True
+
+    def __init__(self, config: SGLangConfig):
+        self.config = config
+        self.page_size_in_use: int | None = None  # once the producer is made
+
+    @property
+    def bootstrap_port(self) -> int:
+        return self.config.bootstrap_port
+
+    def page_size(self, fleet: tuple[DecodeFacts, ...]) -> int:
+        """The decodes' page size: as set, else as a decode says, else SGLang's default (1)."""
+        if self.config.page_size is not None:
+            return self.config.page_size
+        return next((f.block_size for f in fleet if f.block_size), 1)
+
+    def make_producer(self, pool, model_path, fleet, host, port, lease_ttl_s):
+        from kv_transfer.sglang import SGLangProducer
+
+        page_size = self.page_size(fleet)
+        for f in fleet:
+            if f.block_size and f.block_size != page_size:
+                raise ValueError(f"--page-size {page_size}, but the SGLang decode at {f.url} runs --page-size "
+                                 f"{f.block_size}: give every decode and this server the same page size")
+        self.page_size_in_use = page_size
+        return SGLangProducer(pool, page_size, host=host, bootstrap_port=self.config.bootstrap_port, rank_port=port,
+                              transfer_timeout_s=self.config.transfer_timeout_s)
+
+    def pool_block_size(self, fleet):
+        return None  # any: the layer conversion regroups our blocks into the decode's pages
+
+    def route(self, first_token_ours, fits_whole):
+        return Route.STREAM
+
+    def to_decode(self, body, params):
+        body.update(params)  # bootstrap_host, bootstrap_port, bootstrap_room: what sglang-router adds
+
+
 BACKENDS: dict[str, type[TransferBackend]] = {b.name: b for b in (NixlCompatBackend, ConnectorBackend, LocalBackend)}
 assert tuple(BACKENDS) == TRANSFER_MODES
 
 
 def backend_for(scfg: ServerConfig) -> TransferBackend:
-    """The configured mode's backend, with its own part of the config."""
+    """The configured mode's backend, with its own part of the config (SGLang decodes: theirs)."""
+    if scfg.decode_engine == "sglang":
+        return SGLangBackend(scfg.sglang)
     mode_config = {"nixl-compat": scfg.nixl_compat, "connector": scfg.connector}.get(scfg.transfer_mode)
     return BACKENDS[scfg.transfer_mode](mode_config)
 

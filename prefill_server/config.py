@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 TRANSFER_MODES = ("nixl-compat", "connector", "local")
 FIRST_TOKEN_MODES = ("auto", "prefill", "decode")
+# what the decodes run: vLLM (--transfer-mode picks how KV moves) or SGLang (its own PD protocol:
+# kv_transfer/sglang/); auto = asked from the decode's GET /server_info (vLLM without a --decode-url)
+DECODE_ENGINES = ("auto", "vllm", "sglang")
 # serving/token_parity.py: refuse to start on a difference with a decode's tokenizer (the default:
 # a difference silently changes every answer), tokenize every prompt through the decode, or warn
 TOKENIZER_PARITY_POLICIES = ("refuse", "decode", "warn")
@@ -104,6 +107,23 @@ class ConnectorConfig:
         return min(DEFAULT_TRANSFER_TIMEOUT_S, lease_ttl_s)
 
 
+@dataclass(frozen=True)
+class SGLangConfig:
+    """SGLang decodes (--decode-engine sglang): we are their PD prefill (kv_transfer/sglang/)."""
+
+    bootstrap_port: int = 8998  # our bootstrap server (SGLang's --disaggregation-bootstrap-port default)
+    page_size: int | None = None  # the decodes' --page-size; None: read from the decode, else SGLang's 1
+    transfer_timeout_s: float = 60.0  # the most any wait for a WRITE to the decode lasts
+
+    def validate(self) -> None:
+        if not 0 <= self.bootstrap_port < 65536:
+            raise ValueError("--bootstrap-port must be in 0..65535 (0: any free port)")
+        if self.page_size is not None and not 1 <= self.page_size <= 1024:
+            raise ValueError(f"--page-size must be the SGLang decode's --page-size (1..1024), not {self.page_size}")
+        if not (math.isfinite(self.transfer_timeout_s) and self.transfer_timeout_s > 0):
+            raise ValueError("--sglang-transfer-timeout must be a positive number of seconds")
+
+
 ROUTING_POLICIES = ("least-tokens", "p2c", "prefix", "round-robin")
 
 
@@ -168,6 +188,7 @@ class ServerConfig:
     # outstanding (serving/decodes.py)
     decode_urls: tuple[str, ...] = ()
     transfer_mode: str = "nixl-compat"  # a key of prefill_server.backends.BACKENDS
+    decode_engine: str = "auto"  # DECODE_ENGINES
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 0  # 0 = pick a free port
     served_model_name: str | None = None  # defaults to the decode's model id
@@ -190,12 +211,17 @@ class ServerConfig:
     drain_timeout_s: float = 30.0  # on SIGTERM, in-flight HTTP requests get this long to finish
     nixl_compat: NixlCompatConfig = NixlCompatConfig()
     connector: ConnectorConfig = ConnectorConfig()
+    sglang: SGLangConfig = SGLangConfig()
     pool: PoolConfig = PoolConfig()
 
     def validate(self) -> None:
         if self.transfer_mode not in TRANSFER_MODES:
             raise ValueError(f"--transfer-mode must be one of {', '.join(TRANSFER_MODES)}, "
                              f"not {self.transfer_mode!r}")
+        if self.decode_engine not in DECODE_ENGINES:
+            raise ValueError(f"--decode-engine must be one of {', '.join(DECODE_ENGINES)}, not {self.decode_engine!r}")
+        if self.decode_engine == "sglang":
+            self._validate_sglang()
         if self.first_token not in FIRST_TOKEN_MODES:
             raise ValueError(f"--first-token must be one of {', '.join(FIRST_TOKEN_MODES)}, "
                              f"not {self.first_token!r}")
@@ -208,6 +234,7 @@ class ServerConfig:
                              "use refuse or warn")
         self.nixl_compat.validate()
         self.connector.validate()
+        self.sglang.validate()
         self.pool.validate()
         if self.pool.enabled and self.side_channel_port:
             raise ValueError("--side-channel-port must be 0 with a worker pool: each worker listens on a "
@@ -241,3 +268,19 @@ class ServerConfig:
                 raise ValueError(f"{flag} must be a number of seconds >= 0, not {v}")
         if self.decode_health_interval_s == 0 or self.decode_timeout_s == 0:
             raise ValueError("--decode-health-interval and --decode-timeout must be positive")
+
+    def _validate_sglang(self) -> None:
+        if self.transfer_mode == "local":
+            raise ValueError("--decode-engine sglang sends KV to SGLang decodes; --transfer-mode local has none")
+        if self.first_token == "prefill":
+            raise ValueError("--first-token prefill is for vLLM decodes: an SGLang decode always continues from "
+                             "the first token our prefill samples (its aux row); leave --first-token auto")
+        if self.pool.enabled:
+            raise ValueError("--decode-engine sglang runs one engine in this process (its bootstrap server is "
+                             "the prefill's address for SGLang): drop --workers / --ray-address, or run one "
+                             "prefill-server per GPU behind sglang-router")
+        if self.tokenizer_parity == "decode":
+            raise ValueError("--tokenizer-parity decode tokenizes through vLLM's POST /tokenize, which SGLang "
+                             "decodes do not serve: use refuse or warn")
+        if self.sglang.bootstrap_port and self.sglang.bootstrap_port in (self.port, self.grpc_port):
+            raise ValueError("--bootstrap-port must differ from --port and --grpc-port")

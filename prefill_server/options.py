@@ -20,8 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from prefill_server.config import (DEFAULT_TRANSFER_TIMEOUT_S, FIRST_TOKEN_MODES, ROUTING_POLICIES,
-                                   TOKENIZER_PARITY_POLICIES, TRANSFER_MODES, ConnectorConfig, EngineConfig, NixlCompatConfig, PoolConfig, ServerConfig)
+from prefill_server.config import (DECODE_ENGINES, DEFAULT_TRANSFER_TIMEOUT_S, FIRST_TOKEN_MODES, ROUTING_POLICIES,
+                                   TOKENIZER_PARITY_POLICIES, TRANSFER_MODES, ConnectorConfig, EngineConfig,
+                                   NixlCompatConfig, PoolConfig, ServerConfig, SGLangConfig)
 
 GROUPS = {  # section -> --help title
     "model": "model",
@@ -30,6 +31,7 @@ GROUPS = {  # section -> --help title
     "decode": "decode and transfer",
     "nixl_compat": "transfer mode nixl-compat (a stock vLLM NixlConnector decode)",
     "connector": "transfer mode connector (our vLLM connector in the decode)",
+    "sglang": "SGLang decodes (--decode-engine sglang: SGLang's own PD protocol, NIXL push)",
     "pool": "worker pool on Ray (off by default: one engine in this process)",
     "security": "security (API key, gRPC TLS)",
     "server": "server (log level, shutdown)",
@@ -143,6 +145,13 @@ OPTIONS: tuple[Option, ...] = (
          "producer (decode pulls); connector: our own vLLM connector, kv_transfer.vllm.connector (streaming "
          "push, authenticated; see vllm-config); local: no decode, answer with the first token and hold KV "
          "under a lease", choices=TRANSFER_MODES),
+    _opt("--decode-engine", "decode", "server.decode_engine", "what the decodes run. vllm: vLLM (--transfer-mode "
+         "says how KV moves); sglang: SGLang 0.5.23 in PD decode mode (--disaggregation-mode decode "
+         "--disaggregation-transfer-backend nixl): this server is their prefill, with SGLang's bootstrap server on "
+         "--bootstrap-port, and streams each layer into the decode's pages as it is computed; --transfer-mode "
+         "does not apply. Requests carrying bootstrap_host/bootstrap_port/bootstrap_room (sglang-router "
+         "--pd-disaggregation with this server as its --prefill) are prefilled for that room. auto: asked from "
+         "the decode's GET /server_info (vllm without --decode-url)", choices=DECODE_ENGINES),
     _opt("--first-token", "decode", "server.first_token", "greedy requests (temperature 0, n 1, no penalties "
          "or stop strings): prefill = the first token is our prefill's, sent to the client as soon as the "
          "decode accepts the rest, and the decode continues from prompt + that token (its first step then "
@@ -190,6 +199,14 @@ OPTIONS: tuple[Option, ...] = (
          "up, the request fails and its staging blocks are freed (an aborted request's wait happens off the "
          f"engine's thread). auto: {DEFAULT_TRANSFER_TIMEOUT_S:g}, or --lease-ttl if shorter",
          type=number_or_auto, metavar="SECONDS"),
+    _opt("--bootstrap-port", "sglang", "server.sglang.bootstrap_port", "the port of our bootstrap server, where "
+         "SGLang decodes find us (on --side-channel-host); what sglang-router's --prefill URL PORT names", type=int),
+    _opt("--page-size", "sglang", "server.sglang.page_size", "the SGLang decodes' --page-size (both sides must "
+         "agree; SGLang refuses another); auto: read from the decode's /server_info, else 1 (SGLang's default)",
+         type=lambda t: None if t in ("auto", None) else int(t), metavar="N"),
+    _opt("--sglang-transfer-timeout", "sglang", "server.sglang.transfer_timeout_s", "the most seconds any wait for "
+         "a KV WRITE to an SGLang decode lasts; a WRITE still in flight then (its decode died) is given up and "
+         "the request fails", type=float, metavar="SECONDS"),
     # pool
     _opt("--workers", "pool", "server.pool.workers", "start a local Ray and this many prefill workers (Ray Serve "
          "replicas, one per GPU, each its own engine, KV pool and side channel; the decode reads from or is "
@@ -372,6 +389,7 @@ def build(values: dict[str, Any]) -> Settings:
         ServerConfig(), **section("server."),
         nixl_compat=NixlCompatConfig(**section("server.nixl_compat.")),
         connector=ConnectorConfig(**section("server.connector.")),
+        sglang=SGLangConfig(**section("server.sglang.")),
         pool=PoolConfig(**section("server.pool.")))
     s = Settings(EngineConfig(**section("engine.")), server, values.get("log_level") or "info")
     s.engine.validate()

@@ -17,6 +17,9 @@ Cancel is acknowledged by the service thread once the WRITEs are over, while it 
 Pull fallback (route STREAM_THEN_PULL): a Register asking pull makes the request an ordinary
 prefill whose blocks ``publish`` leases to the decode. Computed first (route LEASE_FOR_LATER,
 ``hold``): leased before any decode registers; its Register comes later (``PullLeases.attach``).
+
+Why this file is long: the registry, the engine API and the service thread share one lock and its
+invariants; what stands apart (WRITEs, socket, pull leases) is already in its own module.
 """
 from __future__ import annotations
 
@@ -138,9 +141,11 @@ class PushProducer(StreamProducer):
             self._agent = None
 
     # ---- engine API ----
-    def expect(self, request_id: str, num_tokens: int) -> dict[str, Any]:
+    def expect(self, request_id: str, num_tokens: int, bootstrap_room: int | None = None) -> dict[str, Any]:
         """Announce a request whose decode will register; returns the ``kv_transfer_params`` the
         decode request must carry."""
+        if bootstrap_room is not None:  # (SGLang's; our connector's decodes have none)
+            raise InvalidRequest("bootstrap_room is SGLang's: use --decode-engine sglang", field="bootstrap_room")
         self._check_new("expect", request_id)
         with self._lock:
             self._refuse_taken(request_id)
@@ -233,9 +238,10 @@ class PushProducer(StreamProducer):
         self.writer.wait_posted(request_id, lambda p: layer in p.unposted, stop=stop)
         self.writer.wait(request_id, lambda p: [layer] if layer in p.handles else [], stop=stop)
 
-    def finish(self, request_id: str, timeout_s: float | None = None,
-               stop: Callable[[], bool] | None = None) -> dict[str, Any]:
-        """Wait for every WRITE of the request; RELEASED (no WRITE in flight). Raises
+    def finish(self, request_id: str, timeout_s: float | None = None, stop: Callable[[], bool] | None = None, *,
+               first_token: int | None = None, logprobs: Any = None, cached_tokens: int = 0) -> dict[str, Any]:
+        """Wait for every WRITE of the request; RELEASED (no WRITE in flight; the first token is
+        unused: our connector's decode samples its own). Raises
         TransferError / RequestCancelled at once if the transfer failed, was aborted or cancelled,
         or ``stop()`` turns true: then ``abort`` it and free the staging pages in its ``on_idle``."""
         self.writer.wait_posted(request_id, lambda p: bool(p.unposted), timeout_s, stop=stop)

@@ -247,6 +247,18 @@ class SGLangProducer(StreamProducer):
         self._stats.add(released_total=1)
         return {"layer_times": times, "bootstrap_room": p.room}
 
+    def refuse_room(self, room: int, reason: str) -> None:
+        """The request for ``room`` was refused before it reached the engine (a bad field, a prompt
+        too long): its decode, sent the same request by the router, gets a failed status with
+        ``reason`` at once (now, or when its transfer info comes), not after its 300 s timeout."""
+        with self._lock:
+            if self._rooms.by_room(room) is not None:
+                return  # (a request of this room runs: it tells its decode how it ends)
+            if (info := self._rooms.unpark(room)) is not None:
+                self._refuse(info, reason)
+            else:
+                self._rooms.refuse(room, reason, time.monotonic())
+
     def publish(self, request_id: str, block_ids: Sequence[int], num_tokens: int) -> None:
         raise TransferError("SGLang decodes take pushed KV only (route stream), not leased blocks")
 
@@ -393,6 +405,7 @@ class SGLangProducer(StreamProducer):
                 with self._lock:
                     self.writer.progress(self._reqs.values())
                     self._reap()
+                    self._rooms.forget_refusals(time.monotonic() - self.bootstrap_timeout_s)
                     for info in self._rooms.expired(time.monotonic() - self.bootstrap_timeout_s):
                         self._refuse(info, f"no request with bootstrap_room {info.room} reached this prefill "
                                            f"within {self.bootstrap_timeout_s:.0f} s")
@@ -423,7 +436,9 @@ class SGLangProducer(StreamProducer):
 
     def _on_transfer_info(self, info: wire.TransferInfo) -> None:  # (lock held)
         p = self._rooms.by_room(info.room)
-        if p is None:  # the decode was first: keep it for expect() (bounded, and for 300 s)
+        if p is None and (why := self._rooms.refusal(info.room)) is not None:
+            self._refuse(info, why)  # its request was refused here
+        elif p is None:  # the decode was first: keep it for expect() (bounded, and for 300 s)
             for old in self._rooms.park(info, time.monotonic()):
                 self._refuse(old, "too many rooms waiting for their prefill request here")
         elif p.dest is not None or p.state is not TransferState.EXPECTING:

@@ -18,6 +18,7 @@ class Rooms:
         self._by_room: dict[int, str] = {}
         self._parked: OrderedDict[int, tuple[wire.TransferInfo, float]] = OrderedDict()
         self._finished: OrderedDict[str, TransferState] = OrderedDict()
+        self._refused: OrderedDict[int, tuple[str, float]] = OrderedDict()  # room -> (why, when)
         self.keep_finished, self.max_parked = keep_finished, max_parked
 
     def add(self, p: SGLangRequest) -> wire.TransferInfo | None:
@@ -28,6 +29,7 @@ class Rooms:
         self.reqs[p.request_id] = p
         self._by_room[p.room] = p.request_id
         self._finished.pop(p.request_id, None)
+        self._refused.pop(p.room, None)
         parked = self._parked.pop(p.room, None)
         return parked[0] if parked else None
 
@@ -70,5 +72,21 @@ class Rooms:
             out.append(info)
         return out
 
+    def refuse(self, room: int, why: str, now: float) -> None:
+        """A room whose request was refused here: its transfer info, when it comes, gets ``why``."""
+        self._refused.pop(room, None)
+        self._refused[room] = (why, now)
+        while len(self._refused) > self.max_parked:
+            self._refused.popitem(last=False)
+
+    def refusal(self, room: int) -> str | None:
+        got = self._refused.pop(room, None)
+        return got[0] if got else None
+
+    def forget_refusals(self, older_than: float) -> None:
+        while self._refused and next(iter(self._refused.values()))[1] < older_than:
+            self._refused.popitem(last=False)
+
     def clear_parked(self) -> None:
         self._parked.clear()
+        self._refused.clear()

@@ -136,10 +136,11 @@ def discover(url: str, timeout_s: float = 5.0) -> DecodeFacts:
 
 
 def wait_for(url: str, wait_s: float, *, retry_every_s: float = 2.0, timeout_s: float = 5.0,
-             log_every_s: float = 15.0) -> DecodeFacts:
-    """``discover``, retried for up to ``wait_s`` seconds while the decode is unreachable (a decode
-    started beside the prefill takes minutes to come up); the first failure and then one every
-    ``log_every_s`` are logged. Raises the last ``DecodeUnavailable`` when the time is up."""
+             log_every_s: float = 15.0, discover=discover):
+    """``discover`` (vLLM's, or another engine's), retried for up to ``wait_s`` seconds while the
+    decode is unreachable (a decode started beside the prefill takes minutes to come up); the first
+    failure and then one every ``log_every_s`` are logged. Raises the last ``DecodeUnavailable``
+    when the time is up."""
     deadline = time.monotonic() + wait_s
     attempt, logged = 0, -math.inf
     while True:
@@ -161,12 +162,12 @@ def wait_for(url: str, wait_s: float, *, retry_every_s: float = 2.0, timeout_s: 
             return facts
 
 
-def wait_for_all(urls: tuple[str, ...], wait_s: float) -> tuple[DecodeFacts, ...]:
+def wait_for_all(urls: tuple[str, ...], wait_s: float, discover=discover) -> tuple[DecodeFacts, ...]:
     """``wait_for`` each decode, all at once (each waits up to ``wait_s``), then ``check_fleet``."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=min(16, len(urls)) or 1) as ex:
-        fleet = tuple(ex.map(lambda u: wait_for(u, wait_s), urls))
+        fleet = tuple(ex.map(lambda u: wait_for(u, wait_s, discover=discover), urls))
     check_fleet(fleet)
     return fleet
 

@@ -79,8 +79,9 @@ _ROUTE_REFUSALS = {
     Route.STREAM: "this server's transfer mode does not stream KV (push); start it with --transfer-mode connector",
     Route.LEASE_FOR_LATER: "a request computed before its decode registers needs a connector-mode server "
                            "(--transfer-mode connector)",
-    Route.LEASE: "this server runs in connector mode (streaming push): a prefill must come with its decode "
-                 "request (HTTP gateway), not on its own",
+    Route.LEASE: "this server streams KV into its decodes as it is computed (connector mode, or SGLang decodes): "
+                 "a prefill must come with its decode request (the HTTP gateway, or an SGLang router's "
+                 "bootstrap_room), not on its own",
     Route.STREAM_THEN_PULL: "stream-then-pull is where a STREAM request goes when its decode asks: send STREAM",
 }
 
@@ -217,7 +218,7 @@ class Engine:
             self._admit(req)
             seq = Sequence(req, fut, block_hashes=hashes)
             if req.route is Route.STREAM:
-                seq.params = self.producer.expect(req.request_id, seq.num_tokens)
+                seq.params = self.producer.expect(req.request_id, seq.num_tokens, req.bootstrap_room)
             self.scheduler.add(seq)
             self.metrics.queue_depth.set(self.scheduler.num_waiting)
             self._wake.notify_all()
@@ -347,6 +348,7 @@ class Engine:
         try:
             token = sample_first_token(logits, req.sampling)
             logprobs = None if req.num_logprobs is None else first_token_logprobs(logits, token, req.num_logprobs)
+            seq.first_token, seq.first_logprobs = token, logprobs  # (an SGLang decode reads them from us)
             params = self._hand_over[seq.route](self, seq)
         except Exception as e:
             log.exception("publishing KV failed for %s", req.request_id)
@@ -372,7 +374,8 @@ class Engine:
     def _finish_stream(self, seq: Sequence) -> dict:
         """Every layer's WRITE done (an abort meanwhile stops the wait at once); the staging blocks
         are free then: the KV is in the decode's blocks."""
-        self.producer.finish(seq.request_id, stop=lambda: seq.abort_requested)
+        self.producer.finish(seq.request_id, stop=lambda: seq.abort_requested, first_token=seq.first_token,
+                             logprobs=seq.first_logprobs, cached_tokens=seq.num_cached)
         blocks, seq.block_ids = seq.block_ids, []
         self.pool.free(blocks)
         return seq.params

@@ -50,6 +50,8 @@ class Sequence:
     # (named in the cache as computed), not into staging
     stream_whole: bool = False
     num_cached: int = 0  # prompt tokens found in the prefix cache (not computed)
+    first_token: int | None = None  # sampled from the last position's logits, once computed
+    first_logprobs: tuple[tuple[int, float], ...] | None = None  # (token, logprob): the sampled one, then the top k
     # the prompt's full blocks' hashes (prefix cache on; None: not computed yet) and how many of its
     # blocks are named in the cache or were found there
     block_hashes: list[bytes] | None = None

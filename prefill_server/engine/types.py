@@ -39,6 +39,9 @@ class PrefillRequest:
     # route LEASE: the decode that will read the KV (its side channel and compatibility hash are
     # in the params); None = the producer's only (or first) decode
     decode_url: str | None = None
+    # route STREAM to an SGLang decode: the room its request carries (a PD router's choice); None =
+    # the producer picks one and returns it in the params
+    bootstrap_room: int | None = None
 
 
 @dataclass

@@ -13,6 +13,7 @@ call of a prefill engine, and ``LocalWorker``, the engine in this process behind
     pool_status()      its workers and their load (GET /v1/pool; here: one, this process)
     reset_prefix_cache()  forget every cached KV block (POST /reset_prefix_cache); blocks in use stay
                        with their requests. Returns the blocks freed at once (a pool: all workers')
+    refuse_room(room, why)  (LocalWorker, SGLang decodes) a refused request's room fails on its decode
 
 The message types (``PrefillRequest``, ``SamplingParams``, ``PrefillResult``) are re-exported
 here: serving imports this module and nothing else of the engine.
@@ -118,6 +119,13 @@ class LocalWorker(PrefillWorker):
     def reset_prefix_cache(self) -> int:
         return self.engine.reset_prefix_cache()
 
+    def refuse_room(self, room: int, reason: str) -> None:
+        """An SGLang request for ``room`` was refused before it was submitted: its decode is told
+        at once (``SGLangProducer.refuse_room``). Nothing to do for producers without rooms."""
+        refuse = getattr(self.engine.producer, "refuse_room", None)
+        if refuse is not None:
+            refuse(room, reason)
+
     def pool_status(self) -> dict:
         load = self.load()
         return {"routing": None, "workers": [{"worker": "local", "outstanding_tokens": load.pending_tokens,
@@ -134,8 +142,7 @@ def build_local_worker(ecfg: EngineConfig, backend, fleet: tuple[DecodeFacts, ..
     """Load the model, size the pool, make the backend's producer, build and warm the engine. The
     context enforced is the smallest of the model's and the decodes' (``fleet``)."""
     m = build.load(ecfg)
-    decode_block = next((f.block_size for f in fleet if f.block_size), None)
-    pool = build.make_pool(ecfg, m, ecfg.block_size or decode_block)
+    pool = build.make_pool(ecfg, m, ecfg.block_size or backend.pool_block_size(fleet))
     producer = backend.make_producer(pool, m.path, fleet, side_channel_host, side_channel_port, ecfg.lease_ttl_s)
     if m.device.type == "cpu":
         build.configure_cpu(ecfg, pool.block_size)

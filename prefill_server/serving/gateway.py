@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -24,11 +23,14 @@ from dataclasses import dataclass
 
 import httpx
 
-from prefill_server.engine.worker import PrefillResult, Route, SamplingParams
+from prefill_server.engine.worker import Route, SamplingParams
 from prefill_server.errors import DecodeNotReached, DecodeUnavailable, InvalidRequest, PrefillError, PromptTooLong
 from prefill_server.serving import first_token as ft
 from prefill_server.serving import openai_schema as schema
 from prefill_server.serving import prefill_instance as pi
+from prefill_server.serving import sglang_prefill as sp
+from prefill_server.serving.relay import (chain, check_prompt_tokens, consume, decode_outcome, error_event,
+                                          max_tokens_of, one_token_answer, sampling_of, streamed_cached_tokens)
 from prefill_server.serving.decodes import Assignment, DecodeSet
 from prefill_server.serving.service import PrefillService
 
@@ -91,38 +93,77 @@ class Gateway:
     async def completion(self, raw: dict, tag: str | None = None) -> Answer | Stream:
         """``tag``: the caller's request id (HTTP ``X-Request-Id``), for the logs."""
         outcome = _Outcome(self.metrics)
-        return await self._counted(self._completion(raw, outcome, tag), outcome)
+        return await self._failing_rooms(raw, self._counted(self._completion(raw, outcome, tag), outcome))
 
     async def chat(self, raw: dict, tag: str | None = None) -> Answer | Stream:
         outcome = _Outcome(self.metrics)
-        return await self._counted(self._chat(raw, outcome, tag), outcome)
+        return await self._failing_rooms(raw, self._counted(self._chat(raw, outcome, tag), outcome))
+
+    async def generate(self, raw: dict, tag: str | None = None) -> Answer | Stream:
+        """SGLang's native ``POST /generate`` (SGLang decodes only): as their prefill when it
+        carries a room, else sent on to a decode as sglang-router would."""
+        outcome = _Outcome(self.metrics)
+        return await self._failing_rooms(raw, self._counted(self._generate(raw, outcome, tag), outcome))
+
+    async def _failing_rooms(self, raw: dict, work) -> Answer | Stream:
+        """A request with SGLang rooms that fails here: the decodes the router sent it to fail its
+        rooms at once (``refuse_room``) instead of waiting 300 s for KV that will not come."""
+        try:
+            return await work
+        except BaseException as e:
+            if self.service.backend.bootstrap_port is not None:
+                why = e.message if isinstance(e, PrefillError) else (
+                    "the request was cancelled at the prefill (its client went away)"
+                    if isinstance(e, asyncio.CancelledError) else f"the prefill failed ({type(e).__name__})")
+                for room in sp.rooms_in(raw):
+                    self.service.refuse_room(room, why)
+            raise
+
+    async def _generate(self, raw: dict, outcome: _Outcome, tag: str | None) -> Answer | Stream:
+        svc = self.service
+        if svc.backend.bootstrap_port is None:
+            raise InvalidRequest("POST /generate is SGLang's native API, served with --decode-engine sglang; this "
+                                 "server prefills for vLLM decodes: use /v1/completions", field="path")
+        g = sp.parse_generate(raw)
+        token_ids = g.input_ids or await svc.encode_prompt_async(g.text)
+        self._check_fits(len(token_ids), g.max_new_tokens)
+        if (room := self._room_of(raw)) is not None:
+            return await self._for_sglang_decode(None, raw, room, token_ids, g.sampling, g.stream, outcome, tag, g)
+        out = {k: v for k, v in raw.items() if k != "text"} | {"input_ids": token_ids}
+        return await self._run("/generate", out, token_ids, g.sampling, g.stream, None, outcome, tag)
 
     async def _completion(self, raw: dict, outcome: _Outcome, tag: str | None) -> Answer | Stream:
         svc = self.service
         body = schema.parse(schema.CompletionBody, raw)
         remote_decode = self._wants_remote_decode(raw)
-        svc.check_model(body.model)
+        self._check_model(raw, body.model)
         # (add_special_tokens: as vLLM's completion endpoint takes it, true unless false)
         token_ids = await svc.encode_prompt_async(schema.single_prompt(body.prompt),
                                                   add_special_tokens=raw.get("add_special_tokens") is not False)
         self._check_fits(len(token_ids), body.max_tokens)
         if remote_decode:
-            return await self._as_prefill_instance(False, raw, token_ids, _sampling(body), body.stream, outcome, tag)
+            return await self._as_prefill_instance(False, raw, token_ids, sampling_of(body), body.stream, outcome, tag)
+        if (room := self._room_of(raw)) is not None:
+            return await self._for_sglang_decode(False, raw, room, token_ids, sampling_of(body), body.stream,
+                                                 outcome, tag)
         out = dict(raw, prompt=token_ids)  # the decode gets exactly the tokens we prefilled
-        return await self._run("/v1/completions", out, token_ids, _sampling(body), body.stream,
+        return await self._run("/v1/completions", out, token_ids, sampling_of(body), body.stream,
                                self._plan("completion", raw), outcome, tag)
 
     async def _chat(self, raw: dict, outcome: _Outcome, tag: str | None) -> Answer | Stream:
         svc = self.service
         body = schema.parse(schema.ChatBody, raw)
         remote_decode = self._wants_remote_decode(raw)
-        svc.check_model(body.model)
+        self._check_model(raw, body.model)
         kwargs = {"tools": body.tools} if body.tools else {}
         token_ids = await svc.encode_chat_async(schema.chat_messages(body), request=raw, **kwargs)
         self._check_fits(len(token_ids), body.max_completion_tokens or body.max_tokens)
         if remote_decode:
-            return await self._as_prefill_instance(True, raw, token_ids, _sampling(body), body.stream, outcome, tag)
-        return await self._run("/v1/chat/completions", dict(raw), token_ids, _sampling(body), body.stream,
+            return await self._as_prefill_instance(True, raw, token_ids, sampling_of(body), body.stream, outcome, tag)
+        if (room := self._room_of(raw)) is not None:
+            return await self._for_sglang_decode(True, raw, room, token_ids, sampling_of(body), body.stream,
+                                                 outcome, tag)
+        return await self._run("/v1/chat/completions", dict(raw), token_ids, sampling_of(body), body.stream,
                                self._plan("chat", raw), outcome, tag)
 
     def _wants_remote_decode(self, raw: dict) -> bool:
@@ -136,6 +177,20 @@ class Gateway:
                                  f"{self.service.backend.name}, does not give: run it with --transfer-mode "
                                  "nixl-compat", field="kv_transfer_params.do_remote_decode")
         return True
+
+    def _room_of(self, raw: dict) -> int | None:
+        """An SGLang PD request's ``bootstrap_room`` (sglang-router's request to its prefill), checked.
+        With SGLang decodes the first token is always ours: sampling we do not apply is refused."""
+        backend = self.service.backend
+        if backend.reads_first_token:
+            sp.check_sampling(raw)
+        return sp.room_of(raw, backend.bootstrap_port)
+
+    def _check_model(self, raw: dict, name: str | None) -> None:
+        # sglang-router names a chat without "model" "unknown" (and /generate's null) to its workers
+        if name == "unknown" and raw.get("bootstrap_room") is not None:
+            return
+        self.service.check_model(name)
 
     # ---- checks ----
     def _check_fits(self, n: int, max_tokens: int | None) -> None:
@@ -171,7 +226,7 @@ class Gateway:
             outcome.record("InternalError")
             raise
         if isinstance(answer, Answer):
-            outcome.record("ok" if answer.status < 400 else _decode_outcome(answer.status))
+            outcome.record("ok" if answer.status < 400 else decode_outcome(answer.status))
         return answer
 
     # ---- the policy ----
@@ -183,8 +238,8 @@ class Gateway:
         result = await svc.prefill(token_ids, sampling)
         rid = result.request_id
         try:
-            answer = _one_token_answer(svc, chat, result,
-                                       svc.params_for_prompt(result.kv_transfer_params, len(token_ids)))
+            answer = one_token_answer(svc, chat, result,
+                                      svc.params_for_prompt(result.kv_transfer_params, len(token_ids)))
         except BaseException:
             svc.release(rid)
             raise
@@ -201,11 +256,46 @@ class Gateway:
             outcome.record("ok" if sent else "cancelled")
         return Stream(pi.events(answer.chunks(include_usage), on_end))
 
+    async def _for_sglang_decode(self, chat: bool | None, raw: dict, room: int, token_ids: list[int],
+                                 sampling: SamplingParams, stream: bool, outcome: _Outcome,
+                                 tag: str | None, generate: sp.Generate | None = None) -> Answer | Stream:
+        """SGLang's prefill role: the router sent the decode the same request with the same room;
+        stream the KV into the pages it pre-allocated and answer with the first token once its
+        status went out (``generate``: a /generate request, answered in its shape). The router
+        going away aborts it: the decode gets a failed status."""
+        svc = self.service
+        k = generate.num_logprobs if generate else sp.requested_logprobs("/v1/chat/completions" if chat else "", raw)
+        rid, _, prefill = await svc.start_stream(token_ids, sampling, bootstrap_room=room, num_logprobs=k)
+        try:
+            result = await prefill
+        except BaseException:
+            svc.release(rid)
+            raise
+        log.info("request %s%s: prefilled %d tokens for SGLang bootstrap_room %d", rid,
+                 f" (X-Request-Id {tag})" if tag else "", len(token_ids), room)
+        if generate is not None:
+            t = result.first_token_id
+            body = sp.generate_answer(generate, rid, t, svc.tokenizer.decode([t]), t in svc.eos_token_ids,
+                                      result.num_prompt_tokens, result.num_cached_tokens, result.first_logprobs)
+            if not stream:
+                return Answer(body)
+            return Stream(pi.events([body], lambda sent: outcome.record("ok")))
+        answer = one_token_answer(svc, bool(chat), result)
+        if not stream:
+            return Answer(answer.body())
+        include_usage = bool((raw.get("stream_options") or {}).get("include_usage"))
+        return Stream(pi.events(answer.chunks(include_usage), lambda sent: outcome.record("ok")))
+
     async def _run(self, path: str, out: dict, token_ids: list[int], sampling: SamplingParams, stream: bool,
                    plan: ft.Plan | None, outcome: _Outcome, tag: str | None = None) -> Answer | Stream:
         svc, t0 = self.service, time.monotonic()
         if self.decodes is None:  # no decode to send it to: answer with the first token only
-            if svc.backend.needs_decode and (stream or _max_tokens(out) != 1):
+            if svc.backend.bootstrap_port is not None:
+                raise InvalidRequest("this server is the prefill for SGLang decodes behind a PD router (started "
+                                     "without --decode-url): send requests with bootstrap_host, bootstrap_port and "
+                                     "bootstrap_room (sglang-router --pd-disaggregation adds them), or start it "
+                                     "with --decode-url", field="bootstrap_room")
+            if svc.backend.needs_decode and (stream or max_tokens_of(out) != 1):
                 raise InvalidRequest("this server is a prefill instance for a PD router (started without "
                                      "--decode-url): send requests with kv_transfer_params.do_remote_decode=true "
                                      "(as vllm-router, vLLM's proxy and llm-d do), or max_tokens=1 without "
@@ -213,7 +303,7 @@ class Gateway:
                                      field="kv_transfer_params")
             result = await svc.prefill(token_ids, sampling)
             svc.release(result.request_id)
-            return Answer(_one_token_answer(svc, path.endswith("chat/completions"), result).body())
+            return Answer(one_token_answer(svc, path.endswith("chat/completions"), result).body())
         if tag:
             log.info("request with X-Request-Id %s: %d prompt tokens", tag, len(token_ids))
         # the decode first: none up fails before computing anything, and a pull-mode KV is
@@ -254,8 +344,10 @@ class Gateway:
                           stream: bool, t0: float, outcome: _Outcome, decode: Assignment) -> Answer | Stream:
         """Route STREAM: decode and prefill at once; the decode's connector registers its blocks
         with the prefill, which WRITEs each layer as it is computed; the decode answers."""
-        rid, params, prefill = await self.service.start_stream(token_ids, sampling)
-        prefill.add_done_callback(_consume)
+        svc = self.service
+        k = sp.requested_logprobs(path, out) if svc.backend.reads_first_token else None
+        rid, params, prefill = await svc.start_stream(token_ids, sampling, num_logprobs=k)
+        prefill.add_done_callback(consume)
         return await self._to_decode(_Call(path, out, rid, params, len(token_ids), stream, t0, outcome, decode,
                                            prefill))
 
@@ -282,7 +374,7 @@ class Gateway:
         """Send the request to the decode with kv_transfer_params and relay its answer. Whenever
         the decode will not use our KV (unreachable, refused, client gone), free it at once."""
         svc = self.service
-        c.body["kv_transfer_params"] = c.params
+        svc.backend.to_decode(c.body, c.params)
         c.body.setdefault("model", svc.info.served_name)
         try:
             resp = await self._send(c)
@@ -297,7 +389,7 @@ class Gateway:
             else:
                 events = self._relay(resp, c)
                 first = await events.__anext__()  # started: its cleanup runs however the stream ends
-                return Stream(_chain(first, events))
+                return Stream(chain(first, events))
         except BaseException as e:  # unreachable decode, client gone (a started relay has cleaned up)
             svc.release(c.request_id)
             self.metrics.kv_failed.inc()
@@ -313,15 +405,15 @@ class Gateway:
         if c.release_after:
             svc.release(c.request_id)
         if c.prefill is not None and svc.info.prefix_cache:
-            c.cached_tokens = await _streamed_cached_tokens(c.prefill)
+            c.cached_tokens = await streamed_cached_tokens(c.prefill)
         try:
             body = resp.json()  # (once: the checks and the answer share it)
         except ValueError:  # not JSON: relayed as it came
             body = None
         if c.first and resp.status_code < 400:
-            _check_prompt_tokens(body, c.num_prompt_tokens + 1, c.request_id)
+            check_prompt_tokens(body, c.num_prompt_tokens + 1, c.request_id)
             return Answer(c.first.merge(body if body is not None else resp.json()))
-        _check_prompt_tokens(body, c.num_prompt_tokens, c.request_id)
+        check_prompt_tokens(body, c.num_prompt_tokens, c.request_id)
         if c.cached_tokens is not None and resp.status_code < 400 \
                 and isinstance(body, dict) and isinstance(body.get("usage"), dict):
             return Answer({**body, "usage": ft.with_cached_tokens(body["usage"], c.cached_tokens)})
@@ -363,7 +455,7 @@ class Gateway:
             if reason is not None:
                 log.warning("request %s: %s", c.request_id, reason)
                 self.decodes.report_unreachable(c.decode.decode, f"{reason} at {c.decode.decode.url}")
-                yield _error_event(f"{reason}; the answer is incomplete", "DecodeUnavailable", 502)
+                yield error_event(f"{reason}; the answer is incomplete", "DecodeUnavailable", 502)
                 yield b"data: [DONE]\n\n"
                 outcome = "DecodeStreamBroken"
             else:
@@ -382,69 +474,3 @@ class Gateway:
             if c.release_after:
                 self.service.release(c.request_id)
             c.outcome.record(outcome)
-
-
-async def _chain(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    try:
-        yield first
-        async for chunk in rest:
-            yield chunk
-    finally:
-        await rest.aclose()
-
-
-def _sampling(b: schema._Body) -> SamplingParams:
-    return SamplingParams(temperature=b.temperature if b.temperature is not None else 1.0,
-                          top_p=b.top_p if b.top_p is not None else 1.0,
-                          top_k=b.top_k if b.top_k is not None else -1, seed=b.seed)
-
-
-def _max_tokens(body: dict) -> int | None:
-    n = body.get("max_completion_tokens") or body.get("max_tokens")
-    return n if isinstance(n, int) else None
-
-
-def _decode_outcome(status: int) -> str:
-    return "DecodeRejected" if status < 500 else "DecodeFailed"
-
-
-def _error_event(message: str, etype: str, code: int) -> bytes:
-    ev = {"error": {"message": message, "type": etype, "param": None, "code": code}}
-    return b"data: " + json.dumps(ev).encode() + b"\n\n"
-
-
-def _consume(fut) -> None:
-    """Retrieve a background prefill's exception so asyncio does not log it as unhandled."""
-    if not fut.cancelled() and fut.exception() is not None:
-        log.info("streamed prefill ended with %s", type(fut.exception()).__name__)
-
-
-async def _streamed_cached_tokens(prefill: asyncio.Future, wait_s: float = 2.0) -> int | None:
-    """A streamed prefill's prefix-cache hit, for the answer's usage. The decode answers once every
-    layer reached it, so the prefill has (nearly always) ended; None if it has not within ``wait_s``
-    or failed (the answer then carries the decode's own usage)."""
-    await asyncio.wait([prefill], timeout=wait_s)
-    if not prefill.done() or prefill.cancelled() or prefill.exception() is not None:
-        return None
-    return prefill.result().num_cached_tokens
-
-
-def _check_prompt_tokens(body, n: int, rid: str) -> None:
-    """The decode must have used exactly our tokens (``body``: its answer, parsed); a mismatch
-    means tokenizers disagree."""
-    try:
-        used = body.get("usage", {}).get("prompt_tokens")
-    except Exception:
-        return
-    if used is not None and used != n:
-        log.error("request %s: decode counted %s prompt tokens, the prefill %d (tokenizer mismatch?)",
-                  rid, used, n)
-
-
-def _one_token_answer(service: PrefillService, chat: bool, r: PrefillResult,
-                      kv_transfer_params: dict | None = None) -> pi.PrefillAnswer:
-    """The answer of a prefill alone: its first token (with kv_transfer_params for a PD router)."""
-    eos = r.first_token_id in service.eos_token_ids
-    return pi.PrefillAnswer(chat, r.request_id, service.info.served_name,
-                            "" if eos else service.tokenizer.decode([r.first_token_id]), "stop" if eos else "length",
-                            r.num_prompt_tokens, r.num_cached_tokens, kv_transfer_params)

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from prefill_server.errors import InvalidRequest, PrefillError
-from prefill_server.serving import vllm_metrics
+from prefill_server.serving import sglang_prefill, vllm_metrics
 from prefill_server.serving.auth import ApiKeys
 from prefill_server.serving.decode_client import DecodeClient
 from prefill_server.serving.decodes import DecodeSet
@@ -229,6 +229,23 @@ def create_app(service: PrefillService, decodes: DecodeSet | DecodeClient | None
             return _error(e.http_status, e.message, "Unauthenticated")
         freed = await asyncio.to_thread(service.worker.reset_prefix_cache)
         return {"status": "ok", "blocks_freed": freed}
+
+    if (bootstrap_port := service.backend.bootstrap_port) is not None:
+        # SGLang decodes: what sglang-router asks of its prefill workers (serving/sglang_prefill.py)
+        @app.get("/server_info")
+        @app.get("/get_server_info")
+        async def server_info():
+            return sglang_prefill.server_info(service.info, service.backend.page_size_in_use, bootstrap_port)
+
+        @app.get("/model_info")
+        @app.get("/get_model_info")
+        async def model_info():
+            return await asyncio.to_thread(sglang_prefill.model_info, service.info)
+
+        @app.post("/generate")
+        async def generate(request: Request):
+            tag = _request_tag(request)
+            return reply(await gateway.generate(await read_json(request), tag), tag)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -34,6 +34,7 @@ def build_service(ecfg: EngineConfig, scfg: ServerConfig,
     decodes as already discovered (else they are asked here, each waited for up to
     ``scfg.decode_wait_s``, and their tokenizers probed: ``check_tokenizers``). ``parity``: the
     probe's outcome when the caller ran it (none: tokenize here)."""
+    scfg = resolve_decode_engine(scfg)
     backend = backend_for(scfg)
     discovered_here = fleet is None
     fleet = discover_fleet(scfg, backend, fleet, ecfg)
@@ -69,6 +70,10 @@ def check_tokenizers(ecfg: EngineConfig, scfg: ServerConfig, fleet: tuple[Decode
     from prefill_server.serving.decode_tokenizer import DecodeTokenizer
 
     reachable = [f for f in fleet if not f.declared]
+    if scfg.decode_engine == "sglang":
+        log.info("tokenizer parity: SGLang decodes serve no POST /tokenize to compare with; they must use this "
+                 "server's tokenizer files and chat template (the same --model folder)")
+        return ParityOutcome(scfg.tokenizer_parity)
     if not reachable:
         if fleet:  # a prefill instance: the router's decodes are declared, never seen
             log.info("tokenizer parity: no decode to probe (no --decode-url: the PD router's decodes tokenize "
@@ -87,12 +92,36 @@ def discover_fleet(scfg: ServerConfig, backend: TransferBackend,
     if not backend.needs_decode:
         return ()
     if fleet is None:
+        if scfg.decode_engine == "sglang":
+            from kv_transfer.sglang import discovery as sglang_discovery
+
+            return discovery.wait_for_all(scfg.decode_urls, scfg.decode_wait_s, discover=sglang_discovery.discover)
         if not scfg.decode_urls:
             return (declared_decodes(ecfg or EngineConfig(), scfg),)
         return discovery.wait_for_all(scfg.decode_urls, scfg.decode_wait_s)
     fleet = (fleet,) if isinstance(fleet, DecodeFacts) else tuple(fleet)
     discovery.check_fleet(fleet)
     return fleet
+
+
+def resolve_decode_engine(scfg: ServerConfig) -> ServerConfig:
+    """--decode-engine auto: what the first decode's GET /server_info says it is (waited for up to
+    --decode-wait); vLLM without a --decode-url. The settings are checked again for that engine."""
+    if scfg.decode_engine != "auto":
+        return scfg
+    engine = "vllm"
+    if scfg.decode_urls and scfg.transfer_mode != "local":
+        from kv_transfer.sglang import discovery as sglang_discovery
+
+        def engine_of(url: str, timeout_s: float) -> str:
+            return "sglang" if sglang_discovery.is_sglang(sglang_discovery.server_info(url, timeout_s)) else "vllm"
+
+        engine = discovery.wait_for(scfg.decode_urls[0], scfg.decode_wait_s, discover=engine_of)
+        log.info("decode %s is %s (its GET /server_info)", scfg.decode_urls[0], "SGLang" if engine == "sglang"
+                 else "vLLM")
+    scfg = dataclasses.replace(scfg, decode_engine=engine)
+    scfg.validate()
+    return scfg
 
 
 def declared_decodes(ecfg: EngineConfig, scfg: ServerConfig) -> DecodeFacts:
@@ -190,6 +219,7 @@ def serve(ecfg: EngineConfig, scfg: ServerConfig) -> None:
     api_keys = ApiKeys(api_key, scfg.protect_metrics) if api_key else None
     if scfg.protect_metrics and api_keys is None:
         raise ValueError("--protect-metrics needs an API key (--api-key-file, PREFILL_SERVER_API_KEY or --api-key)")
+    scfg = resolve_decode_engine(scfg)
     backend = backend_for(scfg)
     fleet = discover_fleet(scfg, backend, None, ecfg)
     parity = check_tokenizers(ecfg, scfg, fleet)
@@ -241,7 +271,8 @@ def serve(ecfg: EngineConfig, scfg: ServerConfig) -> None:
                     print(f"prefill-server gRPC on {url_host}:{grpc_server.port}"
                           + (" (TLS)" if scfg.grpc_tls_cert else ""), flush=True)
                 print(f"prefill-server listening on http://{url_host}:{port} (model {service.info.served_name}, "
-                      f"transfer {scfg.transfer_mode}"
+                      f"transfer {backend.name}"
+                      + (f", SGLang bootstrap port {backend.bootstrap_port}" if backend.bootstrap_port else "")
                       + (f", decode {', '.join(scfg.decode_urls)}" if decodes else "")
                       + (", prefill instance for PD routers" if backend.needs_decode and not decodes else "")
                       + ")", flush=True)

@@ -126,13 +126,17 @@ class PrefillService:
             raise
 
     async def start_stream(self, token_ids: list[int], sampling: SamplingParams = SamplingParams(),
-                           request_id: str | None = None) -> tuple[str, dict, asyncio.Future]:
-        """Route STREAM: queue a streamed prefill; returns (request id, kv_transfer_params for
-        the decode, a future of the PrefillResult). Send the decode its request at once: the
-        prefill starts when the decode's connector registers its blocks."""
+                           request_id: str | None = None, *, bootstrap_room: int | None = None,
+                           num_logprobs: int | None = None) -> tuple[str, dict, asyncio.Future]:
+        """Route STREAM: queue a streamed prefill; returns (request id, the params for the decode's
+        request, a future of the PrefillResult). Send the decode its request at once: the prefill
+        starts when the decode registers its blocks. ``bootstrap_room``: an SGLang decode's room (a
+        router's choice; None: the producer picks one); ``num_logprobs``: the first token's, for a
+        decode that reads them from us (SGLang's aux row)."""
         rid = request_id or f"pf-{uuid.uuid4().hex}"
-        params, result = self.worker.start_stream(PrefillRequest(rid, tuple(token_ids), sampling,
-                                                                 route=Route.STREAM))
+        params, result = self.worker.start_stream(PrefillRequest(rid, tuple(token_ids), sampling, route=Route.STREAM,
+                                                                 num_logprobs=num_logprobs,
+                                                                 bootstrap_room=bootstrap_room))
         try:
             return rid, await asyncio.wrap_future(params), asyncio.wrap_future(result)
         except BaseException:  # the client went away, or the worker refused it
@@ -151,3 +155,9 @@ class PrefillService:
 
     def release(self, request_id: str) -> bool:
         return self.worker.release(request_id)
+
+    def refuse_room(self, room: int, reason: str) -> None:
+        """An SGLang PD request refused here: the decode the router sent it too fails it at once."""
+        refuse = getattr(self.worker, "refuse_room", None)  # (one engine in this process: SGLang's only setup)
+        if refuse is not None:
+            refuse(room, reason)

@@ -28,9 +28,11 @@ BIN = pathlib.Path(sys.executable).parent
 class PrefillInstance:
     """``prefill-server serve`` with no --decode-url: a prefill instance for PD routers."""
 
-    def __init__(self, model: str, log_path: pathlib.Path):
+    def __init__(self, model: str, log_path: pathlib.Path, extra_args: list[str] | None = None):
+        """extra_args: after the common flags (default: the vLLM decodes' --decode-model)."""
+        extra = ["--decode-model", model] if extra_args is None else extra_args
         cmd = [str(BIN / "prefill-server"), "serve", "--model", model, "--port", "0", "--dtype", "float32",
-               "--block-size", "32", "--kv-cache-gib", "0.3", "--decode-model", model]
+               "--block-size", "32", "--kv-cache-gib", "0.3", *extra]
         self.log_path = log_path
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(log_path, "wb"), text=True)
         line = self.proc.stdout.readline()

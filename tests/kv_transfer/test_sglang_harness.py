@@ -157,6 +157,9 @@ def _serve() -> None:  # pragma: no cover - runs in .venv-sglang
             reason = mgr.failure_records.get(room)
         return {"state": s, "reason": reason}
 
+    def peek(decode, room):  # poll once (callers that wait themselves, between other calls)
+        return poll(decode, room, timeout_s=0)
+
     def read(decode, room, pages, aux, path):
         _, pool, meta, ps = decodes[decode]
         rows = torch.cat([torch.arange(p * ps, (p + 1) * ps) for p in pages])
@@ -188,8 +191,26 @@ def _serve() -> None:  # pragma: no cover - runs in .venv-sglang
         mgr = decodes[decode][0]
         return {"known": addr in mgr.prefill_info_table, "failures": mgr.heartbeat_failures.get(addr, 0)}
 
+    def server_info(model_path, page_size=1, port=30000, bootstrap_port=8998, max_total_num_tokens=0):
+        """What an SGLang decode's ``GET /server_info`` answers (http_server.server_info): its own
+        ``build_server_info`` over ServerArgs resolved from a decode's command line, plus the fields
+        that handler adds (its live ``internal_states`` are left empty)."""
+        from sglang import __version__
+        from sglang.srt.server_args import prepare_server_args
+        from sglang.srt.utils.common import build_server_info
+
+        args = prepare_server_args(["--model-path", model_path, "--device", "cpu", "--disaggregation-mode", "decode",
+                                    "--disaggregation-transfer-backend", "nixl", "--page-size", str(page_size),
+                                    "--disaggregation-bootstrap-port", str(bootstrap_port),
+                                    "--host", "127.0.0.1", "--port", str(port)])
+        args.resolve_once()
+        info = build_server_info(args, {"status": "ready", "max_total_num_tokens": max_total_num_tokens,
+                                        "max_req_input_len": max_total_num_tokens, "startup_time": time.time()})
+        info.update(internal_states=[], version=__version__, frontend="python")
+        return {"server_info": json.loads(json.dumps(info, default=str))}
+
     ops = {"decode": make_decode, "request": request, "poll": poll, "read": read, "clear": clear,
-           "abort": abort, "heartbeat": heartbeat}
+           "abort": abort, "heartbeat": heartbeat, "server_info": server_info, "peek": peek}
     replies.write(json.dumps({"ok": True}) + "\n")
     for line in sys.stdin:
         cmd = json.loads(line)

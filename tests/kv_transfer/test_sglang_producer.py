@@ -325,3 +325,27 @@ def test_a_layer_is_converted_to_token_major_k_and_v(pages_of):
     flat = pool.kv.view(-1, H, N, 2 * D)[pages]  # [4, H, N, 2D]
     want = flat.permute(0, 2, 1, 3).reshape(4 * N, H, 2 * D)
     assert torch.equal(area.tensor[1, 0, : 4 * N], want[..., :D]) and torch.equal(area.tensor[1, 1, : 4 * N], want[..., D:])
+
+
+def test_a_room_whose_request_was_refused_fails_on_its_decode_at_once(prefill, decode):
+    """A router sends the decode the same request: when ours is refused (a 4xx), its decode is told
+    at once, whether its transfer info came first or comes later, not after SGLang's 300 s."""
+    decode.transfer_info(31, [1, 2])  # the decode was first
+    time.sleep(0.1)
+    prefill.refuse_room(31, "the prompt is too long")
+    status = decode.receive(5)
+    assert status[:3] == [b"KV_STATUS", b"31", b"0"] and status[4] == b"the prompt is too long"
+    prefill.refuse_room(32, "bad field 'top_p'")  # refused first
+    decode.transfer_info(32, [3])
+    status = decode.receive(5)
+    assert status[:3] == [b"KV_STATUS", b"32", b"0"] and status[4] == b"bad field 'top_p'"
+    prefill.refuse_room(33, "refused, then the same room asked for again")
+    prefill.expect("r1", 5, bootstrap_room=33)  # a room in use is never refused by a later call
+    prefill.refuse_room(33, "too late")
+    decode.transfer_info(33, [4, 5])
+    wait_for(lambda: prefill.is_ready("r1"))
+    eng = Engine(prefill, "r1", 5)
+    eng.run(first_token=7)
+    eng.free()
+    assert decode.receive(5)[:3] == [b"KV_STATUS", b"33", b"4"]
+    assert prefill.num_active == 0

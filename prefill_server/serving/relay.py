@@ -1,0 +1,81 @@
+"""The pieces of answers the gateway builds and relays: SSE chaining and error events, the first
+token alone as an answer, the checks made on a decode's answer (``gateway.py`` runs the policy)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+
+from prefill_server.engine.worker import PrefillResult, SamplingParams
+from prefill_server.serving import openai_schema as schema
+from prefill_server.serving import prefill_instance as pi
+from prefill_server.serving.service import PrefillService
+
+log = logging.getLogger("prefill_server.serving.gateway")
+
+
+async def chain(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    try:
+        yield first
+        async for chunk in rest:
+            yield chunk
+    finally:
+        await rest.aclose()
+
+
+def sampling_of(b: schema._Body) -> SamplingParams:
+    return SamplingParams(temperature=b.temperature if b.temperature is not None else 1.0,
+                          top_p=b.top_p if b.top_p is not None else 1.0,
+                          top_k=b.top_k if b.top_k is not None else -1, seed=b.seed)
+
+
+def max_tokens_of(body: dict) -> int | None:
+    n = body.get("max_completion_tokens") or body.get("max_tokens")
+    return n if isinstance(n, int) else None
+
+
+def decode_outcome(status: int) -> str:
+    return "DecodeRejected" if status < 500 else "DecodeFailed"
+
+
+def error_event(message: str, etype: str, code: int) -> bytes:
+    ev = {"error": {"message": message, "type": etype, "param": None, "code": code}}
+    return b"data: " + json.dumps(ev).encode() + b"\n\n"
+
+
+def consume(fut) -> None:
+    """Retrieve a background prefill's exception so asyncio does not log it as unhandled."""
+    if not fut.cancelled() and fut.exception() is not None:
+        log.info("streamed prefill ended with %s", type(fut.exception()).__name__)
+
+
+async def streamed_cached_tokens(prefill: asyncio.Future, wait_s: float = 2.0) -> int | None:
+    """A streamed prefill's prefix-cache hit, for the answer's usage. The decode answers once every
+    layer reached it, so the prefill has (nearly always) ended; None if it has not within ``wait_s``
+    or failed (the answer then carries the decode's own usage)."""
+    await asyncio.wait([prefill], timeout=wait_s)
+    if not prefill.done() or prefill.cancelled() or prefill.exception() is not None:
+        return None
+    return prefill.result().num_cached_tokens
+
+
+def check_prompt_tokens(body, n: int, rid: str) -> None:
+    """The decode must have used exactly our tokens (``body``: its answer, parsed); a mismatch
+    means tokenizers disagree."""
+    try:
+        used = body.get("usage", {}).get("prompt_tokens")
+    except Exception:
+        return
+    if used is not None and used != n:
+        log.error("request %s: decode counted %s prompt tokens, the prefill %d (tokenizer mismatch?)",
+                  rid, used, n)
+
+
+def one_token_answer(service: PrefillService, chat: bool, r: PrefillResult,
+                      kv_transfer_params: dict | None = None) -> pi.PrefillAnswer:
+    """The answer of a prefill alone: its first token (with kv_transfer_params for a PD router)."""
+    eos = r.first_token_id in service.eos_token_ids
+    return pi.PrefillAnswer(chat, r.request_id, service.info.served_name,
+                            "" if eos else service.tokenizer.decode([r.first_token_id]), "stop" if eos else "length",
+                            r.num_prompt_tokens, r.num_cached_tokens, kv_transfer_params)
