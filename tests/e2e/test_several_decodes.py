@@ -40,7 +40,7 @@ def second_decode(decode_model_dir, tmp_path_factory):
 
 def test_two_decodes_token_identical_then_one_killed(vllm_decode, second_decode):
     a, b = vllm_decode, second_decode
-    svc = build_service(EngineConfig(model=a.model, dtype="float32", kv_cache_gib=0.1),
+    svc = build_service(EngineConfig(model=a.model, dtype="float32", kv_cache_gib=0.3),
                         ServerConfig(transfer_mode="nixl-compat", decode_urls=(a.url, b.url)))
     gw = GatewayThread(svc, [a.url, b.url], health_interval_s=1.0).start()
     try:
