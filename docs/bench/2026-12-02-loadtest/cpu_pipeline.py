@@ -10,11 +10,12 @@ crosscheck: `vllm bench serve` (vLLM's own code from .venv-vllm, a tool no one h
 run` on the same workload (200-token prompts, 16 output tokens, ignore_eos, one at a time, 12
 requests) against the gateway; their TTFT percentiles side by side in OUT_DIR/crosscheck.json.
 
-soak: `python -m loadtest soak` with client aborts, the decode SIGKILLed and restarted mid-run and a
-SIGTERM drain at the end. The injected command is this script again (`restart-decode STATE`): it
-SIGKILLs the decode's process group and starts a new decode on the same port, then leaves it
-running. The server is this script's child, so its exit status after the drain is known here
-(loadtest, which did not start it, cannot read it): OUT_DIR/server_exit.json. Soak goes last.
+soak: `python -m loadtest soak` with client aborts, the decode SIGKILLed and restarted mid-run (at
+SOAK_KILL_AT seconds, default 30) and a SIGTERM drain at the end. The injected command is this
+script again (`restart-decode STATE`): it SIGKILLs the decode's process group and starts a new
+decode on the same port, then leaves it running. The server is this script's child, so its exit
+status after the drain is known here (loadtest, which did not start it, cannot read it):
+OUT_DIR/server_exit.json. Soak goes last.
 """
 from __future__ import annotations
 
@@ -112,7 +113,8 @@ def served_name(url: str) -> str:
 
 def soak(out: pathlib.Path, url: str, server: subprocess.Popen, state: pathlib.Path, extra: list[str]) -> int:
     cmd = [sys.executable, "-m", "loadtest", "soak", "--url", url, "--server-pid", str(server.pid),
-           "--inject", f"30:{sys.executable} {HERE} restart-decode {state}", "--drain",
+           "--inject", f"{os.environ.get('SOAK_KILL_AT', '30')}:{sys.executable} {HERE} restart-decode {state}",
+           "--drain",
            "--out", str(out / "soak.json"), "--html", str(out / "soak.html"), *extra]
     with open(out / "commands.txt", "a") as f:
         f.write(" ".join(cmd) + "\n")
