@@ -11,6 +11,11 @@ the rest (attending to the head's K/V read from its pool blocks); its layer l is
 the head blocks' layer-l pages followed by the rest's. With room in the pool (``stream_whole``)
 the rest goes into the prompt's own whole blocks instead of staging: no slot to wait for, and
 the blocks are cached for later prompts.
+
+Each slice that reads earlier tokens back from the pool has its block table built once per step
+(``KVPool.block_table``), not per layer. On CUDA a small step of one chunk past a cached head (a
+prefix-cache hit) replays a CUDA graph instead (``graphs.py``): the eager step is bound by the
+host's launch time.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kv_transfer.base import StreamProducer
+from prefill_server.engine.graphs import NOT_RUN, StepGraphs
 from prefill_server.engine.kv_pool import KVPool
 from prefill_server.engine.scheduler import Chunk, Scheduler, Sequence
 from prefill_server.errors import RequestCancelled
@@ -46,6 +52,7 @@ class _Stream:
         self.whole, nb = seq.stream_whole, pool.num_blocks
         head = self.num_cached // pool.block_size
         self.head_blocks, staging = seq.block_ids[:head], seq.block_ids[head:]
+        self.head_table = None
         rest = num_tokens - self.num_cached
         pos = torch.arange(rest)
         self.offsets = (pos % pool.block_size).to(pool.device)
@@ -87,7 +94,9 @@ class _Stream:
         blocks), then the rest's own. k, v: [T, H, D] -> [head + T, H, D]."""
         if not self.head_blocks:
             return k, v
-        hk, hv = pool.read(layer, self.head_blocks, self.num_cached)
+        if self.head_table is None:  # built once for all layers
+            self.head_table = pool.block_table(self.head_blocks, self.num_cached)
+        hk, hv = pool.read(layer, None, self.num_cached, table=self.head_table)
         return torch.cat([hk.to(k.dtype), k]), torch.cat([hv.to(v.dtype), v])
 
 
@@ -101,6 +110,8 @@ class PagedAttention:
         if stream is None:
             blocks, offsets = zip(*(pool.slot_mapping(s.block_ids, s.start, s.end) for s in slices))
             self.blocks, self.offsets = torch.cat(blocks), torch.cat(offsets)  # [T] each
+            # block tables of the slices that read earlier chunks back, once for all layers
+            self.tables = [pool.block_table(s.block_ids, s.end) if s.start else None for s in slices]
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q [T, Hq, D], k/v [T, Hkv, D] -> o [T, Hq, D]
@@ -114,11 +125,11 @@ class PagedAttention:
         if len(self.slices) == 1 and self.slices[0].start == 0 and self.sparse is None:
             return dense_attention(q, k, v, self.scale)  # one whole prompt: no gather, no copy
         out = torch.empty_like(q)
-        for s in self.slices:
+        for s, table in zip(self.slices, self.tables):
             if s.start == 0:
                 ks, vs = k[s.q_start:s.q_end], v[s.q_start:s.q_end]
             else:  # earlier chunks live in the pool; read back [0, end)
-                ks, vs = self.pool.read(layer, s.block_ids, s.end)
+                ks, vs = self.pool.read(layer, s.block_ids, s.end, table=table)
                 ks, vs = ks.to(q.dtype), vs.to(q.dtype)
             qs = q[s.q_start:s.q_end]
             if self.sparse is not None and self.sparse.wants(layer, s.end):
@@ -135,11 +146,17 @@ class ModelRunner:
         self.scale = head_dim ** -0.5
         self.sparse = sparse
         self.stream_to = stream_to  # where STREAM prompts' layers are written (connector mode)
+        # small steps of one chunk past a cached head as CUDA graphs (None off CUDA; graphs.py)
+        self.graphs = StepGraphs(self) if StepGraphs.wanted(device, pool.dtype) else None
 
     @torch.inference_mode()
     def run(self, chunks: list[Chunk]) -> torch.Tensor | None:
         """Forward one step; returns float32 logits [n_last, V] for the chunks that end a prompt
         (in chunk order), or None if none does."""
+        if self.graphs is not None:
+            out = self.graphs.run(chunks)  # a replayed graph, or NOT_RUN: the step as below
+            if out is not NOT_RUN:
+                return out
         ids, pos, slices, last_rows = [], [], [], []
         t = 0
         for c in chunks:

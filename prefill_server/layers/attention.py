@@ -10,7 +10,8 @@ cuDNN last), then flash / memory-efficient if cuDNN declines the inputs, on 4-D 
 (the earlier call, 3-D [H, T, D] with ``enable_gqa``, ran PyTorch's math backend, which
 materializes the [H, T, T] scores: 1.98 s per 8K prefill of an 8B model, out of memory at 32K on an
 H200). A later chunk of a prompt (Tq < Tk) needs a bottom-right causal mask, which the
-memory-efficient kernel takes without materializing it.
+memory-efficient kernel takes without materializing it; on the GPU it goes to flash directly
+(bottom-right causal, native GQA: ``_sdpa_gpu``).
 
 On the CPU, ``set_cpu_backend("vllm")`` routes dense attention to vLLM's CPU kernel (see
 ``vllm_cpu_attention``: faster than torch SDPA, and the decode's own bits).
@@ -57,8 +58,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     tq, tk = q.shape[0], k.shape[0]
     assert tq <= tk, (tq, tk)
     if flash_attn_varlen_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        cq = torch.tensor([0, tq], dtype=torch.int32, device=q.device)
-        ck = torch.tensor([0, tk], dtype=torch.int32, device=q.device)
+        cq, ck = _cu_seqlens(q.device, tq, tk)
         return flash_attn_varlen_func(q, k, v, cq, ck, tq, tk, softmax_scale=scale, causal=True)
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         return _sdpa_gpu(q, k, v, scale)
@@ -79,6 +79,35 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return o[0].transpose(0, 1)
 
 
+_CU_SEQLENS: dict = {}  # (device, tq, tk) -> cu_seqlens_q, cu_seqlens_k (made once: capture-safe)
+
+
+def _cu_seqlens(device: torch.device, tq: int, tk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (device, tq, tk)
+    got = _CU_SEQLENS.get(key)
+    if got is None:
+        if len(_CU_SEQLENS) > 256:
+            _CU_SEQLENS.clear()
+        got = _CU_SEQLENS[key] = (torch.tensor([0, tq], dtype=torch.int32, device=device),
+                                  torch.tensor([0, tk], dtype=torch.int32, device=device))
+    return got
+
+
+# A later chunk (Tq < Tk) through flash directly: flash's causal mask is bottom-right aligned and
+# it takes GQA natively, so no K/V head expansion (the causal_lower_right bias dispatches to the
+# same flash kernel, after repeat_interleave of K and V to Hq heads: 5.6 of 18.4 ms of GPU time of
+# an 8K-token cache hit on the H200, docs/bench/2026-12-03-prefix-cache-profile/). Same kernel, same
+# split count: bit-identical output. False once flash refused inputs (then the old path).
+_FLASH_LATER_CHUNK = {"ok": True}
+
+
+def _flash_later_chunk_ok(q: torch.Tensor, k: torch.Tensor) -> bool:
+    d = q.shape[-1]
+    return (_FLASH_LATER_CHUNK["ok"] and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention")
+            and d % 8 == 0 and d <= 256 and q.shape[1] % k.shape[1] == 0 and q.dtype == k.dtype
+            and q.stride(-1) == 1 and k.stride(-1) == 1)
+
+
 def _sdpa_gpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [Tq, Hq, D], k/v [Tk, Hkv, D] -> o [Tq, Hq, D], through [1, H, T, D] views (no copies)."""
     tq, tk = q.shape[0], k.shape[0]
@@ -87,10 +116,18 @@ def _sdpa_gpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     if tq == tk:
         with sdpa_kernel(GPU_BACKENDS, set_priority=True):
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
-    else:
-        from torch.nn.attention.bias import causal_lower_right
-        if gqa:  # the causal-bias dispatch takes no enable_gqa everywhere: expand K/V heads
-            rep = q.shape[1] // k.shape[1]
-            kh, vh = kh.repeat_interleave(rep, dim=1), vh.repeat_interleave(rep, dim=1)
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(tq, tk), scale=scale)
+        return o[0].transpose(0, 1)
+    if _flash_later_chunk_ok(q, k) and v.stride(-1) == 1:
+        try:
+            o = torch.ops.aten._scaled_dot_product_flash_attention(qh, kh, vh, 0.0, True, False, scale=scale)[0]
+            return o[0].transpose(0, 1)
+        except RuntimeError:  # this build's flash takes no GQA / these inputs: the expanding path
+            if torch.cuda.is_current_stream_capturing():
+                raise  # (a graph capture fails as a whole: the caller runs the step eagerly)
+            _FLASH_LATER_CHUNK["ok"] = False
+    from torch.nn.attention.bias import causal_lower_right
+    if gqa:  # the causal-bias dispatch takes no enable_gqa everywhere: expand K/V heads
+        rep = q.shape[1] // k.shape[1]
+        kh, vh = kh.repeat_interleave(rep, dim=1), vh.repeat_interleave(rep, dim=1)
+    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(tq, tk), scale=scale)
     return o[0].transpose(0, 1)

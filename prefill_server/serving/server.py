@@ -34,7 +34,12 @@ def build_service(ecfg: EngineConfig, scfg: ServerConfig,
     decodes as already discovered (else they are asked here, each waited for up to
     ``scfg.decode_wait_s``, and their tokenizers probed: ``check_tokenizers``). ``parity``: the
     probe's outcome when the caller ran it (none: tokenize here)."""
-    scfg = resolve_decode_engine(scfg)
+    if fleet is None:
+        scfg = resolve_decode_engine(scfg)
+    elif scfg.decode_engine == "auto":  # the facts given say which (SGLang's carry no vLLM version)
+        given = (fleet,) if isinstance(fleet, DecodeFacts) else tuple(fleet)
+        sglang = bool(given) and all(not f.vllm_version and not f.declared for f in given)
+        scfg = dataclasses.replace(scfg, decode_engine="sglang" if sglang else "vllm")
     backend = backend_for(scfg)
     discovered_here = fleet is None
     fleet = discover_fleet(scfg, backend, fleet, ecfg)
