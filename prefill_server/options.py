@@ -44,6 +44,11 @@ def number_or_auto(text: Any) -> float | None:
     return None if text in ("auto", None) else float(text)
 
 
+def int_or_auto(text: Any) -> int | None:
+    """An integer, or None for "auto"."""
+    return None if text in ("auto", None) else int(text)
+
+
 @dataclass(frozen=True)
 class Option:
     flag: str
@@ -203,7 +208,7 @@ OPTIONS: tuple[Option, ...] = (
          "SGLang decodes find us (on --side-channel-host); what sglang-router's --prefill URL PORT names", type=int),
     _opt("--page-size", "sglang", "server.sglang.page_size", "the SGLang decodes' --page-size (both sides must "
          "agree; SGLang refuses another); auto: read from the decode's /server_info, else 1 (SGLang's default)",
-         type=lambda t: None if t in ("auto", None) else int(t), metavar="N"),
+         type=int_or_auto, metavar="N"),
     _opt("--sglang-transfer-timeout", "sglang", "server.sglang.transfer_timeout_s", "the most seconds any wait for "
          "a KV WRITE to an SGLang decode lasts; a WRITE still in flight then (its decode died) is given up and "
          "the request fails", type=float, metavar="SECONDS"),

@@ -24,8 +24,8 @@ def is_sglang(info: Any) -> bool:
 
 
 def server_info(url: str, timeout_s: float = 5.0) -> Any:
-    """The decode's ``/server_info`` JSON (None when it has none: a vLLM decode outside dev mode).
-    Raises ``DecodeUnavailable`` when the decode cannot be reached."""
+    """The decode's ``/server_info`` JSON (None when it has none: 404, a vLLM decode outside dev
+    mode). Raises ``DecodeUnavailable`` when the decode cannot be reached or is not up (5xx)."""
     import httpx
 
     base = url.rstrip("/")
@@ -35,6 +35,8 @@ def server_info(url: str, timeout_s: float = 5.0) -> Any:
     except httpx.HTTPError as e:
         raise DecodeUnavailable(f"cannot query the decode at {base} ({type(e).__name__}: {e}); check "
                                 "--decode-url and that the decode is up") from None
+    if r.status_code >= 500:
+        raise DecodeUnavailable(f"the decode at {base} answered GET /server_info with {r.status_code} (starting?)")
     if r.status_code != 200:
         return None
     try:
@@ -75,7 +77,8 @@ def facts_of(url: str, info: dict) -> DecodeFacts:
 def discover(url: str, timeout_s: float = 5.0) -> DecodeFacts:
     """One round of questions (``kv_transfer.vllm.discovery.wait_for`` retries it)."""
     info = server_info(url, timeout_s)
-    if not is_sglang(info):
-        raise DecodeUnavailable(f"the decode at {url.rstrip('/')} does not answer GET /server_info as an SGLang "
-                                "server does (is it up, and an SGLang decode? for vLLM use --decode-engine vllm)")
+    if not is_sglang(info):  # (it is up: waiting will not make it SGLang)
+        raise ValueError(f"the decode at {url.rstrip('/')} does not answer GET /server_info as an SGLang server "
+                         "does: list only SGLang decodes with --decode-engine sglang (one prefill server per "
+                         "kind of decode), or use --decode-engine vllm for vLLM")
     return facts_of(url, info)

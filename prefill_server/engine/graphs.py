@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import OrderedDict
 
 import torch
@@ -129,11 +130,13 @@ class StepGraphs:
         self._stream: torch.cuda.Stream | None = None
         self._mempool = None  # shared by all graphs
         self._captured_on = None
+        params = list(runner.model.parameters())  # (once: ``model.to`` moves their data, not them)
+        self._watched = (params[0], params[-1]) if params else ()
 
     def _fingerprint(self) -> tuple[int, ...]:
-        """Where the memory a graph reads lives: the pool and the first and last weights."""
-        params = list(self.runner.model.parameters())
-        return self.pool.kv.data_ptr(), params[0].data_ptr(), params[-1].data_ptr()
+        """Where the memory a graph reads lives: the pool and the first and last weights (every step
+        with graphs: kept to a few pointer reads)."""
+        return (self.pool.kv.data_ptr(), *(p.data_ptr() for p in self._watched))
 
     @staticmethod
     def wanted(device: torch.device, dtype: torch.dtype) -> bool:
@@ -183,7 +186,6 @@ class StepGraphs:
         return out if c.is_last else None
 
     def _build(self, key: tuple[int, int], c):
-        import time
         t0 = time.monotonic()
         try:
             g = _StepGraph(self.runner, *key)

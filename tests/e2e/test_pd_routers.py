@@ -57,32 +57,43 @@ class PrefillInstance:
         self.proc.wait(timeout=60)
 
 
-class Router:
-    def __init__(self, prefills: list[str], decode: str, log_path: pathlib.Path, policy: str = "round_robin"):
-        exe = BIN / "vllm-router" if (BIN / "vllm-router").exists() else shutil.which("vllm-router")
-        if exe is None:
-            pytest.skip("vllm-router is not installed (pip install -e .[test])")
+class RouterProcess:
+    """A router process on a free port (``command(port)``), ready once ``ready(url)`` is true; its
+    output in ``log_path``."""
+
+    def __init__(self, name: str, command, log_path: pathlib.Path, ready, timeout_s: float = 120.0):
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        cmd = [str(exe), "--vllm-pd-disaggregation", *sum((["--prefill", p] for p in prefills), []),
-               "--decode", decode, "--host", "127.0.0.1", "--port", str(port),
-               "--prometheus-port", str(free_port()), "--prefill-policy", policy]
-        self.proc = subprocess.Popen(cmd, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
+        self.proc = subprocess.Popen(command(port), stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
         while True:
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if ready(self.url):
                     return
-            except httpx.HTTPError:
+            except (httpx.HTTPError, ValueError):
                 pass
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"vllm-router did not start: {log_path.read_text()[-3000:]}")
+                raise RuntimeError(f"{name} did not start: {log_path.read_text()[-3000:]}")
             time.sleep(0.3)
 
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=30)
+
+
+class Router(RouterProcess):
+    """vllm-router in PD mode, ready once its GET /health answers."""
+
+    def __init__(self, prefills: list[str], decode: str, log_path: pathlib.Path, policy: str = "round_robin"):
+        exe = BIN / "vllm-router" if (BIN / "vllm-router").exists() else shutil.which("vllm-router")
+        if exe is None:
+            pytest.skip("vllm-router is not installed (pip install -e .[test])")
+        super().__init__("vllm-router", lambda port: [
+            str(exe), "--vllm-pd-disaggregation", *sum((["--prefill", p] for p in prefills), []),
+            "--decode", decode, "--host", "127.0.0.1", "--port", str(port),
+            "--prometheus-port", str(free_port()), "--prefill-policy", policy], log_path,
+            lambda url: httpx.get(url + "/health", timeout=2).status_code == 200)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import subprocess
 import sys
 import time
 
@@ -26,7 +25,7 @@ import torch
 
 from gateway import GatewayThread
 from sglang_decode import HarnessDecode, venv_missing
-from test_pd_routers import BIN, PrefillInstance
+from test_pd_routers import PrefillInstance, RouterProcess
 from prefill_server.config import EngineConfig, ServerConfig, SGLangConfig
 from prefill_server.local_vllm import free_port
 from prefill_server.models.registry import resolve_model
@@ -112,31 +111,18 @@ def test_our_gateway_in_front_of_an_sglang_decode(decode):
         gw.stop()
 
 
-class SGLangRouter:
-    def __init__(self, prefill: str, bootstrap_port: int, decode: str, log_path: pathlib.Path):
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill", prefill,
-               str(bootstrap_port), "--decode", decode, "--host", "127.0.0.1", "--port", str(port),
-               "--prometheus-port", str(free_port()), "--policy", "round_robin"]
-        self.proc = subprocess.Popen(cmd, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
-        self.log_path = log_path
-        deadline = time.monotonic() + 180
-        while True:  # ready once both workers are registered (each after its GET /health)
-            try:
-                workers = httpx.get(self.url + "/workers", timeout=2).json()
-                if isinstance(workers, dict) and len(workers.get("workers", [])) >= 2:
-                    return
-            except (httpx.HTTPError, ValueError):
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"sglang-router did not start: {log_path.read_text()[-3000:]}")
-            time.sleep(0.5)
+class SGLangRouter(RouterProcess):
+    """sglang-router in PD mode, ready once both workers are registered (each after its GET /health)."""
 
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
+    def __init__(self, prefill: str, bootstrap_port: int, decode: str, log_path: pathlib.Path):
+        def registered(url: str) -> bool:
+            workers = httpx.get(url + "/workers", timeout=2).json()
+            return isinstance(workers, dict) and len(workers.get("workers", [])) >= 2
+
+        super().__init__("sglang-router", lambda port: [
+            sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill", prefill,
+            str(bootstrap_port), "--decode", decode, "--host", "127.0.0.1", "--port", str(port),
+            "--prometheus-port", str(free_port()), "--policy", "round_robin"], log_path, registered, timeout_s=180)
 
 
 def test_behind_the_real_sglang_router(decode, tmp_path):

@@ -53,3 +53,18 @@ def test_what_sglangs_own_server_info_says(tmp_path):
     f = facts_of("http://127.0.0.1:30000", info)
     assert (f.model, f.block_size) == (str(resolve_model(None)), 16)
     assert f.served_model_name == str(resolve_model(None))
+
+
+def test_a_decode_that_is_up_but_not_sglang_is_refused_at_once_not_waited_for(monkeypatch):
+    from kv_transfer.sglang import discovery
+    from prefill_server.errors import DecodeUnavailable
+
+    monkeypatch.setattr(discovery, "server_info", lambda url, timeout_s=5.0: None)  # a vLLM decode: 404
+    with pytest.raises(ValueError, match="--decode-engine vllm"):
+        discovery.discover("http://d")
+
+    def starting(url, timeout_s=5.0):
+        raise DecodeUnavailable("the decode at http://d answered GET /server_info with 503 (starting?)")
+    monkeypatch.setattr(discovery, "server_info", starting)
+    with pytest.raises(DecodeUnavailable):  # (retried by wait_for until --decode-wait)
+        discovery.discover("http://d")
