@@ -38,7 +38,7 @@ class NullPush(StreamProducer):
 
     def stop(self) -> None: ...
 
-    def expect(self, request_id: str, num_tokens: int) -> dict:
+    def expect(self, request_id: str, num_tokens: int, bootstrap_room: int | None = None) -> dict:
         self._live.add(request_id)
         return {"bench": {"request_id": request_id}}
 
@@ -57,7 +57,7 @@ class NullPush(StreamProducer):
 
     def wait_layer(self, request_id, layer, stop=None) -> None: ...
 
-    def finish(self, request_id, timeout_s=None, stop=None) -> dict:
+    def finish(self, request_id, timeout_s=None, stop=None, *, first_token=None, logprobs=None, cached_tokens=0) -> dict:
         self._live.discard(request_id)
         return {}
 
@@ -116,7 +116,7 @@ class CopyPush(NullPush):
         if ev is not None:
             ev.synchronize()
 
-    def finish(self, request_id, timeout_s=None, stop=None) -> dict:
+    def finish(self, request_id, timeout_s=None, stop=None, *, first_token=None, logprobs=None, cached_tokens=0) -> dict:
         for layer in list(self._done):
             self.wait_layer(request_id, layer)
         self._idx.clear()
