@@ -13,6 +13,7 @@ DECODE_ENGINES = ("auto", "vllm", "sglang")
 # serving/token_parity.py: refuse to start on a difference with a decode's tokenizer (the default:
 # a difference silently changes every answer), tokenize every prompt through the decode, or warn
 TOKENIZER_PARITY_POLICIES = ("refuse", "decode", "warn")
+QUANTIZATIONS = ("none", "fp8")
 DEFAULT_TRANSFER_TIMEOUT_S = 30.0  # connector mode; capped at the lease time unless set explicitly
 
 
@@ -20,6 +21,7 @@ DEFAULT_TRANSFER_TIMEOUT_S = 30.0  # connector mode; capped at the lease time un
 class EngineConfig:
     model: str | None = None  # HF folder path, or None / the default name for the embedded model
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    quantization: str = "none"  # none | fp8: the decoder layers' projections in FP8 (layers/fp8.py)
     device: str = "auto"  # auto | cpu | cuda[:N]
     block_size: int = 0  # tokens per KV block; 0 = the decode's (16 if it cannot be discovered)
     num_kv_blocks: int = 0  # 0 = size from kv_cache_gib
@@ -39,6 +41,8 @@ class EngineConfig:
     def validate(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"--quantization must be {' or '.join(QUANTIZATIONS)}, not {self.quantization!r}")
         if self.block_size not in (0, 1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"--block-size must be 0 (auto) or a power of two up to 256, not {self.block_size}")
         if self.token_budget < max(self.block_size, 1):

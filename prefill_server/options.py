@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from prefill_server.config import (DECODE_ENGINES, DEFAULT_TRANSFER_TIMEOUT_S, FIRST_TOKEN_MODES, ROUTING_POLICIES,
-                                   TOKENIZER_PARITY_POLICIES, TRANSFER_MODES, ConnectorConfig, EngineConfig,
+from prefill_server.config import (DECODE_ENGINES, DEFAULT_TRANSFER_TIMEOUT_S, FIRST_TOKEN_MODES, QUANTIZATIONS,
+                                   ROUTING_POLICIES, TOKENIZER_PARITY_POLICIES, TRANSFER_MODES, ConnectorConfig, EngineConfig,
                                    NixlCompatConfig, PoolConfig, ServerConfig, SGLangConfig)
 
 GROUPS = {  # section -> --help title
@@ -81,6 +81,12 @@ OPTIONS: tuple[Option, ...] = (
     _opt("--dtype", "model", "engine.dtype", "auto | float32 | bfloat16 | float16: the KV's dtype, which must "
          "be the decode's. auto: the decode's when it says (it runs with VLLM_SERVER_DEV_MODE=1), else the "
          "model's", choices=("auto", "float32", "bfloat16", "float16")),
+    _opt("--quantization", "model", "engine.quantization", "fp8: the decoder layers' linear layers in FP8 "
+         "(e4m3 weights quantized per output channel when the model loads, activations per token; the "
+         "embedding and lm_head stay in --dtype). About half the weight memory and faster long prompts on "
+         "GPUs with FP8 tensor cores (compute capability 8.9+: H100, H200, L40S); needs --dtype bfloat16 "
+         "there; emulated (slow) on CPU. Only the KV we send changes (the decode keeps its own weights), by FP8's "
+         "rounding: measure your model's accuracy first (docs/running.md, \"FP8\")", choices=QUANTIZATIONS),
     _opt("--device", "model", "engine.device", "auto | cpu | cuda | cuda:N"),
     # engine
     _opt("--attention", "engine", "engine.attention", "sparse: block-sparse attention for prompts past 8K "

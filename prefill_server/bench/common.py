@@ -37,9 +37,11 @@ def model_config(preset: str) -> ModelConfig:
     raise ValueError(f"unknown preset {preset!r}; use llama-3.1-8b or tiny")
 
 
-def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0) -> LlamaForCausalLM:
+def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0,
+                 quantization: str = "none") -> LlamaForCausalLM:
     """The model built on the meta device, materialized once on ``device`` in ``dtype``, weights
-    ~ N(0, 0.02) and norm weights 1 (timing does not depend on the values; no checkpoint needed)."""
+    ~ N(0, 0.02) and norm weights 1 (timing does not depend on the values; no checkpoint needed);
+    quantization "fp8": then its projections quantized as ``serve --quantization fp8`` does."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     model = model.to(dtype).to_empty(device=device)
@@ -52,6 +54,9 @@ def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, see
                 p.zero_()
             else:
                 p.normal_(0.0, 0.02, generator=g)
+    if quantization == "fp8":
+        from prefill_server.layers.fp8 import quantize_model
+        quantize_model(model)
     return model.eval()
 
 

@@ -191,12 +191,20 @@ def parse_args(argv):
                     "back to back (GEMMs at the engine's chunk rows + cuDNN attention, all layers)")
     ap.add_argument("--floor-reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quantization", default="none", choices=("none", "fp8"),
+                    help="fp8: the projections in FP8, as serve --quantization fp8 (e2e: no floor, no check)")
+    ap.add_argument("--fp8-exact-accum", action="store_true", help="FP8 GEMMs without use_fast_accum")
     ap.add_argument("--out", default="bench_e2e.json")
     args = ap.parse_args(argv)
     args.lengths, args.compare_unfused = ints(args.lengths), ints(args.compare_unfused)
     args.compare_chunk_lengths = ints(args.compare_chunk_lengths) if args.compare_chunk else []
     args.sustained_floor = ints(args.sustained_floor)
     args.throughput_densities = [float(x) for x in args.throughput_densities.split(",") if x.strip()]
+    if args.fp8_exact_accum:
+        from prefill_server.layers.fp8 import Fp8Linear
+        Fp8Linear.fast_accum = False
+    if args.quantization != "none":  # the floor and the reference check time / compute bf16 GEMMs
+        args.skip_floor, args.check_len, args.throughput_floor = True, 0, False
     args.tp = None
     if args.throughput:
         n, l = args.throughput.lower().split("x")
@@ -213,7 +221,7 @@ def run(args) -> dict:
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     t_start = time.perf_counter()
-    model = random_model(cfg, device, dtype, args.seed)
+    model = random_model(cfg, device, dtype, args.seed, args.quantization)
     if args.chunk_tokens:
         model.chunk_tokens = args.chunk_tokens
     chunk = model.chunk_tokens
@@ -232,6 +240,7 @@ def run(args) -> dict:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "cuda": torch.version.cuda,
         "triton": _version("triton"), "preset": args.preset, "dtype": args.dtype,
+        "quantization": args.quantization, "fp8_exact_accum": args.fp8_exact_accum,
         "model": {k: getattr(cfg, k) for k in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
                                                  "head_dim", "intermediate_size", "vocab_size", "rope_theta")},
         "block_size": bs, "chunk_tokens": chunk,

@@ -177,6 +177,9 @@ def parse_args(argv):
     ap.add_argument("--sparse", default="", help="SparseConfig overrides, key=value,... (e.g. dense_first_layers=0)")
     ap.add_argument("--budget-s", type=float, default=0, help="skip runs predicted to end past this (0 = none)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--chunk-tokens", type=int, default=0, help="model.chunk_tokens (0 = the model's default)")
+    ap.add_argument("--quantization", default="none", choices=("none", "fp8"),
+                    help="fp8: the projections in FP8, as serve --quantization fp8 (e2e: no floor, no check)")
     ap.add_argument("--out", default="bench_stream.json")
     a = ap.parse_args(argv)
     a.lengths, a.estimator_lengths, a.long = ints(a.lengths), ints(a.estimator_lengths), ints(a.long)
@@ -222,6 +225,7 @@ def run(args) -> dict:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "cuda": torch.version.cuda, "triton": _version("triton"),
         "nixl": {d: _dist_version(d) for d in ("nixl-cu12", "nixl-cu13")}, "preset": args.preset, "dtype": args.dtype,
+        "quantization": args.quantization, "chunk_tokens": args.chunk_tokens or None,
         "block_size": args.block_size, "sparse_config": dataclasses.asdict(scfg),
         "kernel_sha1": {f: _file_sha(os.path.join(kdir, f)) for f in ("api.py", "kernel.py", "estimate.py")},
         "env": {k: os.environ.get(k, "(unset)") for k in ("UCX_TLS", "UCX_MEMTYPE_CACHE", "UCX_MODULE_DIR",
@@ -243,7 +247,9 @@ def run(args) -> dict:
         with open(args.out, "w") as fh:
             json.dump(res, fh, indent=1)
 
-    model = random_model(cfg, device, dtype, args.seed)
+    model = random_model(cfg, device, dtype, args.seed, args.quantization)
+    if args.chunk_tokens:
+        model.chunk_tokens = args.chunk_tokens
     bs = args.block_size
     nb = lambda n: -(-n // bs)  # noqa: E731
     pull_len = max(args.lengths + args.estimator_lengths + [args.check_len])

@@ -11,6 +11,7 @@ from prefill_server.config import EngineConfig
 from prefill_server.engine.kv_pool import KVPool
 from prefill_server.engine.prefix_cache import salt_of
 from prefill_server.engine.runner import ModelRunner
+from prefill_server.layers import fp8
 from prefill_server.models.config import ModelConfig, parse_dtype
 from prefill_server.models.registry import resolve_model
 from prefill_server.models.tokenizer import Tokenizer
@@ -27,6 +28,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     dtype: torch.dtype
     device: torch.device
+    quantization: str = "none"  # the weights' (EngineConfig.quantization): K/V differ with it
 
 
 def pick_device(name: str) -> torch.device:
@@ -40,8 +42,21 @@ def load(cfg: EngineConfig) -> LoadedModel:
     device = pick_device(cfg.device)
     mcfg = ModelConfig.from_hf_dir(path)
     dtype = mcfg.dtype if cfg.dtype == "auto" else parse_dtype(cfg.dtype)
+    if cfg.quantization == "fp8":
+        check_fp8(device, dtype)
     mcfg, model = load_model(path, dtype=dtype, device=device)
-    return LoadedModel(str(path), mcfg, model.eval(), Tokenizer(path), dtype, device)
+    if cfg.quantization == "fp8":
+        fp8.quantize_model(model)
+    return LoadedModel(str(path), mcfg, model.eval(), Tokenizer(path), dtype, device, cfg.quantization)
+
+
+def check_fp8(device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse --quantization fp8 where its GEMMs cannot run, before the weights load."""
+    why = fp8.supported(device)
+    if why is None and device.type == "cuda" and dtype != torch.bfloat16:
+        why = f"--quantization fp8 on a GPU needs --dtype bfloat16 (the FP8 GEMMs write bf16), not {dtype}"
+    if why:
+        raise ValueError(why)
 
 
 def describe(cfg: EngineConfig) -> LoadedModel:
@@ -50,7 +65,7 @@ def describe(cfg: EngineConfig) -> LoadedModel:
     path = resolve_model(cfg.model)
     mcfg = ModelConfig.from_hf_dir(path)
     dtype = mcfg.dtype if cfg.dtype == "auto" else parse_dtype(cfg.dtype)
-    return LoadedModel(str(path), mcfg, None, Tokenizer(path), dtype, torch.device("meta"))
+    return LoadedModel(str(path), mcfg, None, Tokenizer(path), dtype, torch.device("meta"), cfg.quantization)
 
 
 DEFAULT_BLOCK_SIZE = 16
@@ -64,7 +79,8 @@ def make_pool(cfg: EngineConfig, m: LoadedModel, block_size: int | None = None) 
     num_blocks = cfg.num_kv_blocks or max(1, int(cfg.kv_cache_gib * 2**30) // per_block)
     log.info("KV pool: %d blocks x %d tokens (%.2f GiB), prefix cache %s", num_blocks, bs,
              num_blocks * per_block / 2**30, "on" if cfg.prefix_cache else "off")
-    salt = salt_of(m.path, str(m.dtype), bs) if cfg.prefix_cache else None  # (K/V of this model only)
+    kind = str(m.dtype) if m.quantization == "none" else f"{m.dtype}|{m.quantization}"
+    salt = salt_of(m.path, kind, bs) if cfg.prefix_cache else None  # (K/V of this model only)
     host = int(cfg.host_cache_gib * 2**30) if salt is not None else 0
     if host:
         log.info("prefix cache host tier: %.2f GiB (%d blocks)", cfg.host_cache_gib, host // per_block)

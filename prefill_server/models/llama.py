@@ -11,6 +11,9 @@ and SiLU-and-multiply in float32 with one rounding to the model dtype (transform
 each op: up to one bf16 ulp apart), rope cos/sin from float32 angles cast to the model dtype,
 residual stream in the model dtype. In float32 both agree to float32 rounding.
 
+With ``--quantization fp8`` the projections are ``layers.fp8.Fp8Linear`` and, on CUDA, the norms and
+SiLU-and-multiply in front of them write FP8 codes directly (``fp8.rms_norm_for``, ``silu_mul_for``).
+
 On CUDA the elementwise work runs as single-pass kernels (``layers.fused``: norm, rope + v copy
 straight into the whole-prompt q/k/v buffers, SiLU-and-multiply) and the residual adds ride in the
 GEMM epilogue (``addmm``), which rounds once where eager rounds twice; the CPU path is plain PyTorch.
@@ -23,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefill_server.layers import fused
-from prefill_server.layers.linear import MergedLinear
+from prefill_server.layers import fp8, fused
+from prefill_server.layers.linear import Linear, MergedLinear
 from prefill_server.layers.norm import RMSNorm
 from prefill_server.layers.rotary import RotaryEmbedding, apply_rotary
 from prefill_server.models.config import ModelConfig
@@ -56,7 +59,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv_proj = MergedLinear(cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size],
                                      bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -88,27 +91,23 @@ class Attention(nn.Module):
     def output(self, o: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """o [T, Hq * D], residual [T, hidden] -> residual + o_proj(o) [T, hidden]; on CUDA
         accumulated into ``residual`` in place by the GEMM (beta = 1), elsewhere a new tensor."""
-        if self.o_proj.bias is None and fused.available(o):
-            return residual.addmm_(o, self.o_proj.weight.t())
-        return residual + self.o_proj(o)
+        return self.o_proj.forward_add(o, residual, out=residual if fused.available(o) else None)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, hidden] -> mlp(x) [T, hidden]; with ``residual``: residual + mlp(x), into ``out``."""
-        if self.down_proj.bias is None and fused.available(x):
-            act = fused.silu_mul(self.gate_up_proj(x))  # [T, inter]
+        if fused.available(x):
+            act = fp8.silu_mul_for(self.down_proj, self.gate_up_proj(x))  # [T, inter] (FP8 for an FP8 down_proj)
             if residual is None:
                 return self.down_proj(act)
-            if out is residual:  # accumulate in place: no copy of the residual
-                return residual.addmm_(act, self.down_proj.weight.t())
-            return torch.addmm(residual, act, self.down_proj.weight.t(), out=out)
+            return self.down_proj.forward_add(act, residual, out=out)  # out is residual: in place
         gate, up = self.gate_up_proj.forward_split(x)  # [T, inter] each
         y = self.down_proj(F.silu(gate) * up)  # [T, hidden]; rounded after silu and after the
         #                                        product, as vLLM's x86 CPU SiluAndMul (forward_native)
@@ -161,21 +160,23 @@ class DecoderLayer(nn.Module):
         sa = self.self_attn
         t = x.shape[0]
         if t <= chunk:
-            q, k, v = sa.project(self.input_layernorm(x), cos, sin)
+            q, k, v = sa.project(fp8.rms_norm_for(sa.qkv_proj, self.input_layernorm, x), cos, sin)
         else:  # project chunk by chunk straight into whole-prompt buffers
             q = x.new_empty(t, sa.num_heads, sa.head_dim)
             k = x.new_empty(t, sa.num_kv_heads, sa.head_dim)
             v = x.new_empty(t, sa.num_kv_heads, sa.head_dim)
             for s in range(0, t, chunk):
                 e = s + chunk
-                sa.project(self.input_layernorm(x[s:e]), cos[s:e], sin[s:e], out=(q[s:e], k[s:e], v[s:e]))
+                sa.project(fp8.rms_norm_for(sa.qkv_proj, self.input_layernorm, x[s:e]), cos[s:e], sin[s:e],
+                           out=(q[s:e], k[s:e], v[s:e]))
         o = attn(sa.layer, q, k, v)  # [T, Hq, D]
         del q, k, v
         o = o.reshape(t, -1)  # [T, Hq * D]
         for s in range(0, t, chunk):
             xs = x[s:s + chunk]
             h = sa.output(o[s:s + chunk], xs)  # xs + o_proj(o) (xs itself on CUDA)
-            self.mlp(self.post_attention_layernorm(h), residual=h, out=xs)  # xs <- h + mlp(norm(h))
+            normed = fp8.rms_norm_for(self.mlp.gate_up_proj, self.post_attention_layernorm, h)
+            self.mlp(normed, residual=h, out=xs)  # xs <- h + mlp(norm(h))
         return x
 
 
