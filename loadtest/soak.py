@@ -9,7 +9,10 @@ Invariants (each ``pass`` true, false, or null when it could not be measured):
 
 - ``every_request_ended_clearly``: each request ended ok, aborted by us, with an HTTP error status,
   with a stream error event, or as a gRPC error; a connection error only inside a fault window;
-  never a client timeout, a stream cut without an error event, or anything unclassified;
+  never a client timeout, a stream cut without an error event, or anything unclassified. A client
+  timeout or connection error during a stall of the load generator itself (its event loop did not
+  run for ``STALL_S`` or more: a starved or paused client machine) is not judged, and the stalls are
+  reported (``generator_stalls_s``): the client's own timers ran out while it could not look;
 - ``no_unexpected_5xx``: no 5xx but 502/503, and 502/503 only inside fault windows (unless
   ``allow_503_outside_faults``); error events' codes count as statuses;
 - ``kv_blocks_back_to_zero``: after the run, ``prefill_server:kv_blocks_in_use`` reaches 0 within
@@ -37,6 +40,7 @@ from loadtest import drain as dr
 from loadtest import promscrape, runner
 
 CLEAR = {"ok", "aborted", "http_429", "http_4xx", "http_5xx", "stream_error"}
+STALL_S = 2.0  # the generator's event loop late by this much: the client machine stalled
 
 
 @dataclass
@@ -124,17 +128,36 @@ def read_rss_mb(pid: int) -> float | None:
     return None
 
 
+class _Stalls:
+    """Intervals (s into the run) in which this process's event loop did not run for STALL_S or more."""
+
+    def __init__(self, tick_s: float = 0.1):
+        self.tick_s = tick_s
+        self.windows: list[tuple[float, float]] = []
+
+    async def watch(self, t0: float) -> None:
+        last = time.perf_counter()
+        while True:
+            await asyncio.sleep(self.tick_s)
+            now = time.perf_counter()
+            if now - last - self.tick_s >= STALL_S:
+                self.windows.append((last - t0, now - t0))
+            last = now
+
+
 async def soak(target: cl.Target, cfg: runner.RunConfig, soak_cfg: SoakConfig, requests) -> dict:
-    """The run (with injections and RSS sampling beside it), then the invariants."""
+    """The run (with injections, RSS sampling and the stall watch beside it), then the invariants."""
     injector = _Injector(soak_cfg.injections, soak_cfg.inject_timeout_s)
     rss = _Rss(soak_cfg.server_pid, soak_cfg.rss_interval_s) if soak_cfg.server_pid else None
-    background = [injector.schedule] + ([rss.sample] if rss else [])
+    stalls = _Stalls()
+    background = [injector.schedule, stalls.watch] + ([rss.sample] if rss else [])
     result = await runner.run(target, cfg, requests, background=background)
     await injector.finish()
     blocks = await wait_blocks_zero(cl.base_url(cfg.metrics_url if cfg.metrics_url is not None else target.url),
                                     target.headers(), soak_cfg.blocks_timeout_s)
     drained = await dr.drain(target, cfg, soak_cfg.drain, requests) if soak_cfg.drain else None
-    result["soak"] = verdict(result["records"], injector.log, blocks, rss, soak_cfg, result["duration_s"], drained)
+    result["soak"] = verdict(result["records"], injector.log, blocks, rss, soak_cfg, result["duration_s"], drained,
+                             stalls.windows)
     return result
 
 
@@ -172,16 +195,20 @@ def _codes(rec: dict) -> int | None:
 
 
 def verdict(records: list[dict], log: list[dict], blocks: dict, rss: _Rss | None, c: SoakConfig,
-            duration_s: float, drained: dict | None = None) -> dict:
+            duration_s: float, drained: dict | None = None, stalls: list[tuple[float, float]] = ()) -> dict:
     windows = _windows(log, c.fault_window_s)
     inv: dict[str, dict] = {}
 
+    stalled = {id(r) for r in records if r.get("status") in ("timeout", "connection") and _overlaps(r, stalls)}
     unclear = [r for r in records if r.get("status") not in CLEAR
                and not str(r.get("status")).startswith("grpc_")
-               and not (r.get("status") == "connection" and _overlaps(r, windows))]
+               and not (r.get("status") == "connection" and _overlaps(r, windows))
+               and id(r) not in stalled]
     inv["every_request_ended_clearly"] = {
         "pass": not unclear, "detail": f"{len(unclear)} of {len(records)} requests ended unclearly"
-        + (": " + ", ".join(f"#{r['index']} {r.get('status')}" for r in unclear[:10]) if unclear else "")}
+        + (": " + ", ".join(f"#{r['index']} {r.get('status')}" for r in unclear[:10]) if unclear else "")
+        + (f"; {len(stalled)} timed out or failed to connect while the load generator itself was stalled "
+           f"(not judged)" if stalled else "")}
 
     bad = []
     for r in records:
@@ -218,7 +245,7 @@ def verdict(records: list[dict], log: list[dict], blocks: dict, rss: _Rss | None
                              else {"pass": None, "detail": "not asked for (--drain)"})
     ok = all(v["pass"] is not False for v in inv.values())
     return {"verdict": "pass" if ok else "fail", "invariants": inv, "injections": log,
-            "fault_windows_s": windows, "blocks_after_run": blocks,
+            "fault_windows_s": windows, "generator_stalls_s": [list(w) for w in stalls], "blocks_after_run": blocks,
             "rss_samples_mb": [(round(t, 2), round(m, 1)) for t, m in rss.samples] if rss else None,
             "drain_records": drained["records"] if drained is not None else None,
             "config": {k: v for k, v in asdict(c).items() if k != "injections"}}
@@ -227,9 +254,11 @@ def verdict(records: list[dict], log: list[dict], blocks: dict, rss: _Rss | None
 def _rss_invariant(rss: _Rss, c: SoakConfig) -> dict:
     if rss.gone_at is not None:
         return {"pass": False, "detail": f"process {rss.pid} was gone {rss.gone_at:.1f} s into the run"}
-    warm = [m for t, m in rss.samples if c.rss_warmup_s <= t < c.rss_warmup_s + 5.0]
-    if not warm or not rss.samples:
+    after = [t for t, _ in rss.samples if t >= c.rss_warmup_s]
+    if not after:
         return {"pass": None, "detail": f"the run was shorter than the warm-up ({c.rss_warmup_s:g} s)"}
+    # the first 5 s of samples from the warm-up's end (a stalled machine may have taken none right at it)
+    warm = [m for t, m in rss.samples if after[0] <= t < after[0] + 5.0]
     t_end = rss.samples[-1][0]
     end = [m for t, m in rss.samples if t >= t_end - 5.0]
     base, last = statistics.median(warm), statistics.median(end)

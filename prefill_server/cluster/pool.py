@@ -274,6 +274,9 @@ class RayPool:
                 log.info("pool: no metrics from %s (%s)", w, type(e).__name__)
         return pool_metrics.merge(self.metrics.render(), texts, pending)
 
+    def check_admission(self) -> None:
+        """Nothing here: each worker admits its own requests, and routing may find one with room."""
+
     def reset_prefix_cache(self) -> int:
         """Every running worker forgets its cached blocks; returns the blocks freed, summed (a worker
         that does not answer in time is logged and left out)."""

@@ -215,7 +215,7 @@ class Engine:
         with self._wake:
             if self.scheduler.find(req.request_id) or self.pool.get_lease(req.request_id):
                 raise InvalidRequest(f"request id {req.request_id!r} is already in use", field="request_id")
-            self._admit(req)
+            self._admit()
             seq = Sequence(req, fut, block_hashes=hashes)
             if req.route is Route.STREAM:
                 seq.params = self.producer.expect(req.request_id, seq.num_tokens, req.bootstrap_room)
@@ -243,8 +243,14 @@ class Engine:
                               free_blocks=self.pool.num_free, total_blocks=self.pool.num_blocks,
                               block_size=self.pool.block_size, tokens_per_s=self.throughput.tokens_per_s())
 
-    def _admit(self, req: PrefillRequest) -> None:  # lock held
-        """Shed a request that could not start within the queue deadline at the measured rate."""
+    def check_admission(self) -> None:
+        """Raise ``Overloaded`` now if the queue ahead would keep a new request past its deadline."""
+        with self._wake:
+            self._admit()
+
+    def _admit(self) -> None:  # lock held
+        """Shed a request that could not start within the queue deadline at the measured rate (the
+        prompt tokens ahead of it decide, not its own)."""
         rate = self.throughput.tokens_per_s()
         if rate is None:
             return

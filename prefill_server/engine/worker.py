@@ -63,6 +63,9 @@ class PrefillWorker(Protocol):
     def not_ready(self) -> list[str]: ...
     def pool_status(self) -> dict: ...
     def reset_prefix_cache(self) -> int: ...
+    def check_admission(self) -> None:
+        """Raise ``Overloaded`` if a request arriving now would be refused: the gateway asks before it
+        tokenizes, so that a full server says no at once."""
 
 
 class LocalWorker(PrefillWorker):
@@ -115,6 +118,9 @@ class LocalWorker(PrefillWorker):
 
     def not_ready(self) -> list[str]:
         return [] if self.engine.alive() else ["the engine loop has stopped"]
+
+    def check_admission(self) -> None:
+        self.engine.check_admission()
 
     def reset_prefix_cache(self) -> int:
         return self.engine.reset_prefix_cache()

@@ -8,7 +8,7 @@ healthy ones and readiness reflects them.
     Assignment.end()    the request is done with its decode (counted once)
 
 Each decode has a background check of its ``GET /health`` every ``interval_s`` (every second while it
-is down). A request that cannot reach a decode marks it down at once and wakes its check, which marks
+is down); an up decode is marked down by two failed checks in a row, not one. A request that cannot reach a decode marks it down at once and wakes its check, which marks
 it up again as soon as it answers and ``admit`` (when given) lets it back: a decode that was down may
 have come back as another server, so the tokenizer parity probe runs again first
 (``token_parity.recheck``); one it keeps out is checked every ``interval_s``. ``subscribe(on_change)``
@@ -162,6 +162,19 @@ class DecodeSet:
             self.metrics.decode_up.labels(d.url).set(1 if d.up else 0)
             self.metrics.decode_outstanding.labels(d.url).set(d.outstanding)
 
+    async def _check(self, d: Decode) -> str | None:
+        """One health check; a decode that is up gets a second at once before a failure marks it down:
+        one slow answer (this process or the decode paused for a while) is not an outage, and a
+        decode that is gone fails the second check too, in milliseconds."""
+        for attempt in range(2 if d.up else 1):
+            try:
+                reason = await d.client.health(timeout_s=max(1.0, min(5.0, self.interval_s)))
+            except Exception as e:  # noqa: BLE001 - never let the checker die
+                reason = f"{type(e).__name__}: {e}"
+            if reason is None:
+                return None
+        return reason
+
     async def _watch(self, d: Decode) -> None:
         assert d.wake is not None
         while True:
@@ -170,10 +183,7 @@ class DecodeSet:
             except asyncio.TimeoutError:
                 pass
             d.wake.clear()
-            try:
-                reason = await d.client.health(timeout_s=max(1.0, min(5.0, self.interval_s)))
-            except Exception as e:  # noqa: BLE001 - never let the checker die
-                reason = f"{type(e).__name__}: {e}"
+            reason = await self._check(d)
             held = False
             if reason is None and not d.up and self.admit is not None:
                 try:

@@ -125,6 +125,7 @@ class Gateway:
             raise InvalidRequest("POST /generate is SGLang's native API, served with --decode-engine sglang; this "
                                  "server prefills for vLLM decodes: use /v1/completions", field="path")
         g = sp.parse_generate(raw)
+        svc.worker.check_admission()  # (before tokenizing: a full server answers 429 at once)
         token_ids = g.input_ids or await svc.encode_prompt_async(g.text)
         self._check_fits(len(token_ids), g.max_new_tokens)
         if (room := self._room_of(raw)) is not None:
@@ -137,6 +138,7 @@ class Gateway:
         body = schema.parse(schema.CompletionBody, raw)
         remote_decode = self._wants_remote_decode(raw)
         self._check_model(raw, body.model)
+        svc.worker.check_admission()
         # (add_special_tokens: as vLLM's completion endpoint takes it, true unless false)
         token_ids = await svc.encode_prompt_async(schema.single_prompt(body.prompt),
                                                   add_special_tokens=raw.get("add_special_tokens") is not False)
@@ -156,6 +158,7 @@ class Gateway:
         remote_decode = self._wants_remote_decode(raw)
         self._check_model(raw, body.model)
         kwargs = {"tools": body.tools} if body.tools else {}
+        svc.worker.check_admission()
         token_ids = await svc.encode_chat_async(schema.chat_messages(body), request=raw, **kwargs)
         self._check_fits(len(token_ids), body.max_completion_tokens or body.max_tokens)
         if remote_decode:

@@ -195,3 +195,43 @@ def test_drain_fails_when_the_process_ignores_sigterm(fake):
     assert got["pass"] is False and "still ran 1 s after it" in got["detail"] and got["by_kind"] == {"ok": 2}
     assert drain._clear({"status": "connection", "refused": True})
     assert not drain._clear({"status": "connection", "refused": False})  # reset after it was sent: lost
+
+
+def test_rss_baseline_is_the_first_samples_after_the_warm_up_even_after_a_gap():
+    """A machine that stalled across the warm-up's end took no sample there: the baseline is the
+    first samples after it, not "the run was shorter than the warm-up"."""
+    rss = soak._Rss(pid=1, interval_s=1.0)
+    rss.samples = [(0.0, 100.0), (50.0, 100.0), (190.0, 110.0), (191.0, 110.0), (900.0, 111.0)]
+    inv = soak._rss_invariant(rss, soak.SoakConfig(rss_warmup_s=60.0, rss_max_growth_pct=5.0))
+    assert inv["pass"] is True and inv["baseline_mb"] == 110.0 and inv["end_mb"] == 111.0
+    rss.samples = [(0.0, 100.0), (50.0, 100.0)]
+    assert soak._rss_invariant(rss, soak.SoakConfig(rss_warmup_s=60.0))["pass"] is None
+
+
+def test_a_timeout_while_the_generator_itself_stalled_is_reported_not_judged():
+    recs = [{"index": 0, "status": "ok", "sent_s": 1.0, "end_s": 2.0},
+            {"index": 1, "status": "timeout", "sent_s": 9.0, "end_s": 140.0},  # its timer ran out in the stall
+            {"index": 2, "status": "connection", "sent_s": 10.0, "end_s": 130.0},
+            {"index": 3, "status": "timeout", "sent_s": 200.0, "end_s": 260.0}]  # no stall: the server's
+    blocks = {"in_use": 0.0, "waited_s": 0.0}
+    v = soak.verdict(recs, [], blocks, None, soak.SoakConfig(), 300.0, stalls=[(10.0, 132.5)])
+    inv = v["invariants"]["every_request_ended_clearly"]
+    assert inv["pass"] is False and "#3 timeout" in inv["detail"] and "#1" not in inv["detail"]
+    assert "2 timed out or failed to connect while the load generator itself was stalled" in inv["detail"]
+    assert v["generator_stalls_s"] == [[10.0, 132.5]]
+    v = soak.verdict(recs[:3], [], blocks, None, soak.SoakConfig(), 300.0, stalls=[(10.0, 132.5)])
+    assert v["invariants"]["every_request_ended_clearly"]["pass"] is True
+
+
+def test_the_stall_watch_records_a_blocked_event_loop():
+    async def run():
+        st = soak._Stalls(tick_s=0.01)
+        t0 = time.perf_counter()
+        task = asyncio.ensure_future(st.watch(t0))
+        await asyncio.sleep(0.05)
+        time.sleep(soak.STALL_S + 0.2)  # the loop cannot run
+        await asyncio.sleep(0.05)
+        task.cancel()
+        return st.windows
+    windows = asyncio.run(run())
+    assert len(windows) == 1 and windows[0][1] - windows[0][0] >= soak.STALL_S

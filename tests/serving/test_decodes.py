@@ -149,6 +149,43 @@ def test_decode_set_picks_within_a_group_and_counts_each_request_once():
     asyncio.run(run())
 
 
+class FlakyHealth:
+    """A decode client stand-in whose health checks answer from a script of results (None = healthy)."""
+
+    base_url = "http://flaky:1"
+
+    def __init__(self, answers):
+        self.answers, self.calls = list(answers), 0
+
+    async def health(self, timeout_s: float = 5.0):
+        self.calls += 1
+        return self.answers.pop(0) if self.answers else None
+
+    async def close(self):
+        pass
+
+
+def test_one_failed_health_check_does_not_mark_an_up_decode_down_but_two_do():
+    async def run():
+        flaky = FlakyHealth(["ReadTimeout", None, "ConnectError", "ConnectError"])
+        s = DecodeSet([Decode(flaky)], interval_s=0.05)
+        s.start()
+        try:
+            for _ in range(100):
+                if flaky.calls >= 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert s.decodes[0].up  # the timeout, then an answer at once: still up
+            for _ in range(100):
+                if not s.decodes[0].up:
+                    break
+                await asyncio.sleep(0.01)
+            assert not s.decodes[0].up and s.decodes[0].reason == "ConnectError" and flaky.calls == 4
+        finally:
+            await s.stop()
+    asyncio.run(run())
+
+
 @pytest.fixture()
 def smollm2_short_leases():
     """The embedded SmolLM2 (fp32, blocks of 16, the prefix cache on: the default) whose leases

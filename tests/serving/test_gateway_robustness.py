@@ -169,8 +169,15 @@ def test_a_queue_too_long_to_start_in_time_sheds_at_once_with_retry_after():
         with BackgroundServer(app) as gw:
             eng.throughput.record(1, 1000.0)  # now ~0.06 tokens/s: anything queued sheds
             eng.submit(PrefillRequest("c", (1,) * 64))
+            tokenized = []  # refused before tokenizing: no thread hop, no tokenizer time
+            encode, encode_chat = svc.encode_prompt, svc.encode_chat
+            svc.encode_prompt = lambda *a, **k: tokenized.append(a) or encode(*a, **k)
+            svc.encode_chat = lambda *a, **k: tokenized.append(a) or encode_chat(*a, **k)
             r = httpx.post(gw.url + "/v1/completions", json={"prompt": "x"})
             assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+            r = httpx.post(gw.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+            assert r.status_code == 429 and "queue is full" in r.json()["error"]["message"]
+            assert tokenized == []
             eng.abort("c")
     finally:
         eng.stop()
