@@ -42,21 +42,13 @@ def load(cfg: EngineConfig) -> LoadedModel:
     device = pick_device(cfg.device)
     mcfg = ModelConfig.from_hf_dir(path)
     dtype = mcfg.dtype if cfg.dtype == "auto" else parse_dtype(cfg.dtype)
-    if cfg.quantization == "fp8":
-        check_fp8(device, dtype)
+    if cfg.quantization == "fp8" and (why := fp8.unsupported(device, dtype)):
+        raise ValueError(why)  # (before the weights load)
     mcfg, model = load_model(path, dtype=dtype, device=device)
     if cfg.quantization == "fp8":
         fp8.quantize_model(model)
     return LoadedModel(str(path), mcfg, model.eval(), Tokenizer(path), dtype, device, cfg.quantization)
 
-
-def check_fp8(device: torch.device, dtype: torch.dtype) -> None:
-    """Refuse --quantization fp8 where its GEMMs cannot run, before the weights load."""
-    why = fp8.supported(device)
-    if why is None and device.type == "cuda" and dtype != torch.bfloat16:
-        why = f"--quantization fp8 on a GPU needs --dtype bfloat16 (the FP8 GEMMs write bf16), not {dtype}"
-    if why:
-        raise ValueError(why)
 
 
 def describe(cfg: EngineConfig) -> LoadedModel:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from prefill_server.layers import fused
+from prefill_server.layers.linear import add_residual
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -127,7 +128,7 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """As ``quantize_rows_reference``; one Triton pass for a CUDA x whose rows are contiguous."""
-    if triton is None or not x.is_cuda or x.dim() != 2 or x.stride(-1) != 1 or x.shape[0] == 0:
+    if not _fusable(x):
         return quantize_rows_reference(x)
     r, c = x.shape
     q = torch.empty(r, c, dtype=FP8, device=x.device)
@@ -168,8 +169,8 @@ def silu_mul_for(proj: nn.Module, gate_up: torch.Tensor) -> torch.Tensor | Quant
     return Quantized(q, s)
 
 
-def supported(device: torch.device) -> str | None:
-    """None when this device runs FP8 GEMMs; otherwise why not (for the error a user sees)."""
+def unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when FP8 layers run here in ``dtype``; otherwise why not (the error a user sees)."""
     if device.type != "cuda":
         return None  # emulated: correct, slow (tests, accuracy checks)
     major, minor = torch.cuda.get_device_capability(device)
@@ -177,6 +178,8 @@ def supported(device: torch.device) -> str | None:
         return (f"--quantization fp8 needs a GPU with FP8 tensor cores (compute capability 8.9 or newer: "
                 f"L4, L40S, H100, H200, B200); {torch.cuda.get_device_name(device)} is {major}.{minor}. "
                 f"Use --quantization none")
+    if dtype != torch.bfloat16:
+        return f"--quantization fp8 on a GPU needs --dtype bfloat16 (the FP8 GEMMs write bf16), not {dtype}"
     return None
 
 
@@ -233,10 +236,7 @@ class Fp8Linear(nn.Module):
     def forward_add(self, x: torch.Tensor | Quantized, residual: torch.Tensor,
                     out: torch.Tensor | None = None) -> torch.Tensor:
         """residual + self(x), into ``out`` (which may be ``residual``) when given."""
-        y = self.forward(x)
-        if out is residual:
-            return residual.add_(y)
-        return torch.add(residual, y, out=out) if out is not None else residual + y
+        return add_residual(residual, self.forward(x), out)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 per-channel"

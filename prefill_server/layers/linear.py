@@ -16,10 +16,14 @@ class Linear(nn.Linear):
             if out is residual:
                 return residual.addmm_(x, self.weight.t())
             return torch.addmm(residual, x, self.weight.t(), out=out)
-        y = self(x)
-        if out is residual:
-            return residual.add_(y)
-        return torch.add(residual, y, out=out) if out is not None else residual + y
+        return add_residual(residual, self(x), out)
+
+
+def add_residual(residual: torch.Tensor, y: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """residual + y: in place when ``out`` is ``residual``, into ``out``, or a new tensor."""
+    if out is residual:
+        return residual.add_(y)
+    return torch.add(residual, y, out=out) if out is not None else residual + y
 
 
 class MergedLinear(Linear):

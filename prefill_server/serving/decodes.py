@@ -8,11 +8,12 @@ healthy ones and readiness reflects them.
     Assignment.end()    the request is done with its decode (counted once)
 
 Each decode has a background check of its ``GET /health`` every ``interval_s`` (every second while it
-is down); an up decode is marked down by two failed checks in a row, not one. A request that cannot reach a decode marks it down at once and wakes its check, which marks
-it up again as soon as it answers and ``admit`` (when given) lets it back: a decode that was down may
-have come back as another server, so the tokenizer parity probe runs again first
-(``token_parity.recheck``); one it keeps out is checked every ``interval_s``. ``subscribe(on_change)``
-hears whether any decode is up (the gRPC health service follows it).
+is down); an up decode is marked down by two failed checks in a row, not one. A request that cannot
+reach a decode marks it down at once and wakes its check, which marks it up again as soon as it
+answers and ``admit`` (when given) lets it back: a decode that was down may have come back as
+another server, so the tokenizer parity probe runs again first (``token_parity.recheck``); one it
+keeps out is checked every ``interval_s``. ``subscribe(on_change)`` hears whether any decode is up
+(the gRPC health service follows it).
 """
 from __future__ import annotations
 
@@ -166,7 +167,7 @@ class DecodeSet:
         """One health check; a decode that is up gets a second at once before a failure marks it down:
         one slow answer (this process or the decode paused for a while) is not an outage, and a
         decode that is gone fails the second check too, in milliseconds."""
-        for attempt in range(2 if d.up else 1):
+        for _ in range(2 if d.up else 1):
             try:
                 reason = await d.client.health(timeout_s=max(1.0, min(5.0, self.interval_s)))
             except Exception as e:  # noqa: BLE001 - never let the checker die
