@@ -64,27 +64,30 @@ async def run(target: cl.Target, cfg: RunConfig, requests: Iterable[Request], *,
     """Run the requests against ``target``; returns the run's dict."""
     cfg.check()
     own_http = http is None
-    if own_http:
-        http = httpx.AsyncClient(timeout=httpx.Timeout(target.timeout_s, connect=min(30.0, target.timeout_s)),
-                                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
-    grpc_client = None
+    if own_http:  # model discovery and /metrics scrapes
+        http = httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=min(30.0, target.timeout_s)))
+    grpc_client = session = None
     try:
         metrics_base = cl.base_url(cfg.metrics_url if cfg.metrics_url is not None else target.url or "")
         if target.grpc:
             from prefill_server.client import AsyncPrefillClient  # gRPC mode only
 
             grpc_client = AsyncPrefillClient(target.grpc, api_key=target.api_key)
-        elif target.model is None:
-            target.model = await discover_model(http, target)
+        else:
+            session = cl.new_session(target)  # the requests' client; ``http`` for the side calls
+            if target.model is None:
+                target.model = await discover_model(http, target)
         before, before_err = (await promscrape.scrape(http, metrics_base, target.headers())) if metrics_base \
             else (None, "not scraped")
         started_at = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-        records, st, duration = await _drive(target, cfg, requests, http, grpc_client, background)
+        records, st, t0, duration = await _drive(target, cfg, requests, session, grpc_client, background)
         after, after_err = (await promscrape.scrape_settled(http, metrics_base, target.headers())) if metrics_base \
             else (None, "not scraped")
     finally:
         if grpc_client is not None:
             await grpc_client.close()
+        if session is not None:
+            await session.close()
         if own_http:
             await http.aclose()
     server = promscrape.deltas(before, after)
@@ -95,7 +98,7 @@ async def run(target: cl.Target, cfg: RunConfig, requests: Iterable[Request], *,
     summary["max_in_flight"] = st.max_in_flight
     target_d = {k: v for k, v in asdict(target).items() if k != "api_key"}
     return {"label": target.label, "target": target_d, "config": asdict(cfg), "started_at": started_at,
-            "duration_s": duration, "records": records, "summary": summary, "server": server,
+            "duration_s": duration, "t0_monotonic_s": t0, "records": records, "summary": summary, "server": server,
             "breakdown": breakdown.compute(summary, server)}
 
 
@@ -108,7 +111,7 @@ async def discover_model(http: httpx.AsyncClient, target: cl.Target) -> str | No
         return None
 
 
-async def _drive(target, cfg: RunConfig, requests, http, grpc_client, background):
+async def _drive(target, cfg: RunConfig, requests, session, grpc_client, background):
     st = Counters()
     records: list[dict] = []
     t0 = time.perf_counter()
@@ -140,7 +143,7 @@ async def _drive(target, cfg: RunConfig, requests, http, grpc_client, background
             if grpc_client is not None:
                 work = asyncio.ensure_future(cl.grpc_request(grpc_client, target, req, rec, t0))
             else:
-                work = asyncio.ensure_future(cl.http_request(http, target, req, rec, t0))
+                work = asyncio.ensure_future(cl.http_request(session, target, req, rec, t0))
             if abort_after is None:
                 await work
             else:
@@ -206,4 +209,4 @@ async def _drive(target, cfg: RunConfig, requests, http, grpc_client, background
             bar.draw(final=True)
     duration = time.perf_counter() - t0
     records.sort(key=lambda r: r["index"])
-    return records, st, duration
+    return records, st, t0, duration

@@ -41,6 +41,7 @@ from prefill_server.bench.checks import attention_diagnostics, check_engine, che
 from prefill_server.bench.common import (_sync, _version, bench_args, drive, ints, make_engine, model_args,
                                          model_config, random_model)
 from prefill_server.bench.floor import Floor, matmul_peak
+from prefill_server.bench.gpu_clocks import ClockSampler
 from prefill_server.engine.engine import Engine
 from prefill_server.engine.kv_pool import KVPool
 from prefill_server.engine.types import PrefillRequest
@@ -249,6 +250,7 @@ def run(args) -> dict:
         "pool_tokens": pool.num_blocks * bs, "targets": {"ttft_over_floor": TARGET_RATIO,
                                                           "throughput_of_linear_floor": TARGET_THROUGHPUT}}}
     res["phases"] = []  # (name, unix time at its start): to line up with nvidia-smi samples
+    clocks = ClockSampler(device.index).start() if device.type == "cuda" else None
 
     def log(*a):
         print(*a, file=sys.stderr, flush=True)
@@ -359,6 +361,7 @@ def run(args) -> dict:
                                "sustained_gemms_only": gemms,
                                "sustained_floor_s": both["ms"] * n_steps / 1e3,
                                "sustained_linear_s": gemms["ms"] * n_steps / 1e3}
+            r["ratio_vs_sustained_floor"] = r["wall_s"] / r["step_floor"]["sustained_floor_s"]
             if floor:
                 r["step_floor"]["of_linear_floor_if_at_sustained_floor"] = lin_ms / both["ms"] / n_steps
             log("throughput step floor", {k: v for k, v in r["step_floor"].items() if not isinstance(v, dict)})
@@ -389,6 +392,9 @@ def run(args) -> dict:
                 f"busy {r['profile']['gpu_busy_ms']:.0f} of {r['profile']['wall_ms_with_profiler']:.0f} ms")
     mark("end")
     res["meta"]["elapsed_s"] = time.perf_counter() - t_start
+    if clocks is not None:
+        clocks.stop()
+        res["clocks"] = clocks.by_phase(res["phases"])  # SM MHz and board W per phase
     return res
 
 
@@ -420,7 +426,7 @@ def table(res: dict) -> str:
         sf = tp.get("step_floor")
         if sf:
             lines.append(f"  its floor work back to back: {sf['sustained_floor_s']:.2f} s (GEMMs alone "
-                         f"{sf['sustained_linear_s']:.2f} s)")
+                         f"{sf['sustained_linear_s']:.2f} s): ratio {tp['ratio_vs_sustained_floor']:.3f}")
         if tp.get("profile"):
             pr = tp["profile"]
             lines.append(f"  profile of {pr['requests']} requests: GPU busy {pr['gpu_busy_ms']:.0f} of "
@@ -428,6 +434,10 @@ def table(res: dict) -> str:
                              f"{k} {v:.0f}" for k, v in pr["by_category_ms"].items()))
     if "matmul_peak" in res:
         lines.append(f"matmul {res['matmul_peak']['n']}^3: {res['matmul_peak']['tflops']:.0f} TFLOP/s")
+    for name, c in res.get("clocks", {}).items():
+        lines.append(f"clocks {name}: {c}" if name == "unavailable" else
+                     f"clocks {name}: SM {c['sm_mhz_mean']} MHz (min {c['sm_mhz_min']:.0f}), "
+                     f"{c['power_w_mean']} W (max {c['power_w_max']})")
     return "\n".join(lines)
 
 

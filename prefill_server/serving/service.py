@@ -46,6 +46,8 @@ class PrefillService:
         self.decode_vocab_size = parity.vocab_size if parity is not None else None
         for r in parity.reports if parity is not None else ():
             self.metrics.tokenizer_parity.labels(r.url).set(1 if r.same else 0)
+        # a walk over the vocabulary (~0.1 s): here, not on the event loop under the first request
+        getattr(tokenizer, "max_token_chars", None)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in (self.info.served_name, self.info.path):

@@ -48,5 +48,8 @@ for f in sorted(glob.glob(sys.argv[1] + "/*.json")):
     tp = d.get("throughput")
     if tp:
         print("  throughput", tp["requests"], "x", tp["tokens_each"], round(tp["wall_s"], 2), "s",
-              round(tp.get("of_linear_floor", 0), 3), "of the linear floor")
+              round(tp.get("of_linear_floor", 0), 3), "of the linear floor,",
+              round(tp.get("ratio_vs_sustained_floor", 0), 3), "x its sustained floor")
+    for name, c in d.get("clocks", {}).items():
+        print("  clocks", name, c)
 PY

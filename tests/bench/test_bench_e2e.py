@@ -7,6 +7,7 @@ import json
 import pytest
 
 from prefill_server.bench import common, e2e
+from prefill_server.bench.gpu_clocks import ClockSampler
 
 
 def test_tiny_run_writes_json(tmp_path):
@@ -34,6 +35,7 @@ def test_tiny_run_writes_json(tmp_path):
     sf = tp["step_floor"]
     assert sf["step_tokens"] == 32 and sf["steps"] == 1.5 and sf["sustained"]["attn_calls_per_layer"] == 2
     assert sf["sustained_gemms_only"]["attn_calls_per_layer"] == 0 and sf["sustained_floor_s"] > 0
+    assert tp["ratio_vs_sustained_floor"] == pytest.approx(tp["wall_s"] / sf["sustained_floor_s"])
     (sp,) = tp["sparse"]
     assert sp["mode"] == "fixed-0.5" and sp["requests"] == 3 and sp["wall_s"] > 0 and "of_linear_floor" in sp
     assert tp["profile"]["requests"] == 2 and tp["profile"]["wall_ms_with_profiler"] > 0
@@ -48,3 +50,16 @@ def test_llama_8b_config_shape():
     per_layer = (c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
                  + 3 * c.hidden_size * c.intermediate_size)
     assert per_layer * c.num_layers == pytest.approx(6.98e9, rel=1e-2)
+
+
+def test_clock_sampler_summarises_each_phase():
+    """Samples land in the phase whose [start, next start) holds them; a phase without samples is left
+    out; without NVML the summary says why instead of failing the bench."""
+    cs = ClockSampler.__new__(ClockSampler)
+    cs.error, cs.samples = None, [(10.0, 1980.0, 300.0), (10.5, 1800.0, 690.0), (20.0, 1400.0, 700.0)]
+    got = cs.by_phase([["floor", 10.0], ["ttft_8192", 15.0], ["throughput", 19.0], ["end", 30.0]])
+    assert got["floor"] == {"sm_mhz_mean": 1890, "sm_mhz_min": 1800.0, "sm_mhz_max": 1980.0,
+                            "power_w_mean": 495.0, "power_w_max": 690.0, "samples": 2}
+    assert "ttft_8192" not in got and got["throughput"]["samples"] == 1 and "end" not in got
+    cs.samples, cs.error = [], "NVMLError: no driver"
+    assert cs.by_phase([["floor", 0.0]]) == {"unavailable": "NVMLError: no driver"}
