@@ -2,14 +2,13 @@
 run). They run the two benchmark commands at reduced sizes on the Llama-3.1-8B shape and fail when a
 number regresses past a recorded guard, printing what they measured:
 
-    python3 -m pytest -q -m gpu tests/bench/test_gpu_bench_smoke.py -s     # ~2-3 minutes on one H200
+    python3 -m pytest -q -m gpu tests/bench/test_gpu_bench_smoke.py -s     # ~4-5 minutes on one H200
     scripts/gpu/regression.sh      # the same, then the stream bench (the device call after CPU-side changes)
 
-Guards: the issue's bar where the measurement has a margin over it; where a bar is marginal or not
-met (dense 8K/32K at 1.14-1.24x of the burst floor, 64 x 8K throughput at 67-70%, docs/BENCHMARKS.md)
-the guard sits a few percent past the recorded numbers (dense TTFT: against the sustained floor,
-which holds still where the burst floor moves with the card), so a real regression trips it and
-the run-to-run spread (+-2%) does not.
+Guards: the issue's bars where the measurement has a margin over them: the dense TTFT and the
+64 x 8K throughput against the sustained floor (issue 20: 1.08x / 1.10x), the kernel against
+cuDNN, FlexAttention and "ideal" (issue 5). The burst floor's ratios are printed only: they move with
+the card's clocks while the engine's TTFT does not.
 """
 from __future__ import annotations
 
@@ -47,26 +46,24 @@ def test_attention_bench_128k(tmp_path):
     assert dense_mode["vs_cudnn"] <= 1.1  # guard (0.97-1.00 recorded; 1.11-1.14 before fixm)
 
 
-def test_e2e_bench_dense_8k_32k_and_throughput(tmp_path):
-    """The engine on random Llama-3.1-8B weights: the engine-vs-reference check, dense TTFT against the
-    floors measured in the same run, and 16 x 8K concurrent requests against the linear-layer floor
-    (64 x 8K recorded at 67.5-70%; bar 80%).
-
-    The issue's bar is TTFT <= 1.15x the per-op floor (each op timed in a short burst): recorded
-    1.135-1.165 at 8K/32K, but 1.215 / 1.202 on a GPU whose burst GEMMs ran at 782 instead of
-    750 TFLOP/s while the engine's TTFT was unchanged (0.217 / 1.202 s; 2026-12-01): the burst floor
-    moves with the card's clocks, the forward sits at the power cap. So the guard is on the same
-    work run back to back (``--sustained-floor``: the engine's own overhead at the clocks it gets)."""
+def test_e2e_bench_against_sustained_floors(tmp_path):
+    """The engine on random Llama-3.1-8B weights: the engine-vs-reference check, then the issue's bars
+    against the sustained floor (the same GEMMs and cuDNN attention run back to back, timed after 3 s
+    of that work, so both sides run at the clocks the card holds at its 700 W cap): dense TTFT at
+    8K / 32K / 128K within 1.08x, 64 x 8K throughput within 1.10x of its step floor. Recorded
+    (docs/bench/2026-12-03-sustained-floor/call2): 1.043 / 1.037 / 1.019 and 1.059, SM ~1,480-1,520 MHz.
+    The burst floor (each op alone, at ~1,970 MHz) is printed, not guarded: it moves with the card."""
     out = tmp_path / "e2e.json"
-    assert e2e.main(["--lengths", "8192,32768", "--reps", "3", "--check-len", "4096",
-                     "--sustained-floor", "8192,32768",
-                     "--throughput", "16x8192", "--token-budget", "65536", "--out", str(out)]) == 0
+    assert e2e.main(["--lengths", "8192,32768,131072", "--reps", "3", "--check-len", "4096",
+                     "--sustained-floor", "8192,32768,131072", "--throughput", "64x8192",
+                     "--token-budget", "65536", "--throughput-floor", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["check"]["pass"] and res["check"]["argmax_equal"]
-    ratios = {r["tokens"]: round(r["ratio"], 3) for r in res["ttft"]}
+    burst = {r["tokens"]: round(r["ratio"], 3) for r in res["ttft"]}
     sustained = {r["tokens"]: round(r["ratio_vs_sustained_floor"], 3) for r in res["ttft"]}
-    tp = res["throughput"]["of_linear_floor"]
-    print(f"\nTTFT / burst floor: {ratios}; TTFT / sustained floor: {sustained}; "
-          f"16 x 8K: {tp:.1%} of the linear floor")
-    assert sustained[8192] <= 1.13 and sustained[32768] <= 1.08  # guard (recorded 1.087 / 1.040)
-    assert tp >= 0.62  # guard
+    tp = res["throughput"]["ratio_vs_sustained_floor"]
+    clocks = {k: v.get("sm_mhz_mean") for k, v in res.get("clocks", {}).items() if isinstance(v, dict)}
+    print(f"\nTTFT / sustained floor: {sustained}; 64 x 8K / its sustained floor: {tp:.3f}; "
+          f"TTFT / burst floor: {burst}; SM MHz by phase: {clocks}")
+    assert all(r <= 1.08 for r in sustained.values()), sustained  # bar
+    assert tp <= 1.10  # bar
