@@ -2,8 +2,8 @@
 summarised per bench phase. A GPU at its power cap (the H200's 700 W) lowers its clocks under long
 loads, so a ratio against a floor means little without the clocks both were timed at.
 
-NVML comes from ``nvidia-ml-py`` (module ``pynvml``), present wherever the NVIDIA driver stack is;
-without it, or off CUDA, the sampler records why and nothing else.
+NVML is the driver's library, reached through the ``nvidia-ml-py`` package (module ``pynvml``; the
+device's image has it); without it, or off CUDA, the sampler records why and nothing else.
 """
 from __future__ import annotations
 
