@@ -190,12 +190,13 @@ def test_queue_deadline_names_compute_or_kv_blocks():
     eng.throughput.record(10**6, 1.0)  # a (wrong) fast estimate: admitted, then held up by compute
     eng.start()
     try:  # compute: a long prompt runs 8 steps of 0.2 s; the next waits past 0.3 s with the pool free
-        eng.submit(PrefillRequest("long", (1,) * 32))
+        long = eng.submit(PrefillRequest("long", (1,) * 32))
         with pytest.raises(Overloaded, match="for compute") as e:
             eng.submit(PrefillRequest("next", (1,) * 60)).result(timeout=30)
         assert e.value.http_status == 429
-        wait_for(lambda: eng.pool.num_used == 4)  # "long" is leased now (4 blocks)
         eng.runner.model.delay_s = 0.0
+        long.result(timeout=30)  # done and leased (its 4 blocks held): nothing left to compute, so a
+        assert eng.pool.num_used == 4  # stall of this machine cannot make the next wait "for compute"
         with pytest.raises(PoolExhausted, match="for KV blocks") as e:  # needs 8 blocks, 4 free
             eng.submit(PrefillRequest("starved", (1,) * 60)).result(timeout=30)
         assert e.value.http_status == 503 and "leases" in e.value.message
