@@ -128,11 +128,13 @@ class Floor:
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                 # a short forward (8K: 0.2 s) timed at once runs on a card not yet at its power cap,
                 # at higher clocks than the engine's timed prefills get after the runs before them:
-                # heat it first, HEAT_S of the same work, and time at least TIMED_S of it
+                # heat it first, HEAT_S of the same work (the sizing call counts), and time at least
+                # TIMED_S of it
                 one, _ = time_ms(forward, dev, 1, warmup=0)
-                warmup = max(1, math.ceil(self.HEAT_S * 1e3 / one))
+                warmup = max(0, math.ceil(self.HEAT_S * 1e3 / one) - 1)
                 reps = max(reps, math.ceil(self.TIMED_S * 1e3 / one))
                 ms, times = time_ms(forward, dev, reps, warmup=warmup)
+                warmup += 1
         else:
             ms, times = time_ms(forward, dev, reps)
         return {"tokens": tokens, "rows": rows, "attn_len": alen, "attn_calls_per_layer": n_attn, "ms": ms,
