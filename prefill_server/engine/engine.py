@@ -64,6 +64,7 @@ import torch
 
 from kv_transfer.base import Producer, Route, check_request_id
 from prefill_server.engine.kv_pool import KVPool
+from prefill_server.engine.priority import lower_thread_priority
 from prefill_server.engine.runner import ModelRunner
 from prefill_server.engine.sampling import MAX_LOGPROBS, first_token_logprobs, sample_first_token
 from prefill_server.engine.scheduler import Chunk, Scheduler, Sequence, prompt_hashes
@@ -89,8 +90,9 @@ _ROUTE_REFUSALS = {
 class Engine:
     def __init__(self, runner: ModelRunner, pool: KVPool, producer: Producer, *, max_model_len: int,
                  vocab_size: int, token_budget: int, max_num_seqs: int, max_queue_wait_s: float,
-                 metrics: Metrics | None = None):
+                 metrics: Metrics | None = None, nice: int = 0):
         self.runner, self.pool, self.producer = runner, pool, producer
+        self.nice = nice  # the step loop's thread runs at this nice (lower_thread_priority)
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
         streams = Route.STREAM in producer.routes
         assert streams == (runner.stream_to is producer), "give the runner the producer that streams"
@@ -299,6 +301,7 @@ class Engine:
 
     # ---- the loop ----
     def _loop(self) -> None:
+        lower_thread_priority(self.nice)
         while True:
             with self._wake:
                 while not self._stop and not self.scheduler.has_work():

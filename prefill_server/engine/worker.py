@@ -158,7 +158,7 @@ def build_local_worker(ecfg: EngineConfig, backend, fleet: tuple[DecodeFacts, ..
     max_model_len = context_len(c, fleet)
     engine = Engine(runner, pool, producer, max_model_len=max_model_len,
                     vocab_size=c.vocab_size, token_budget=ecfg.token_budget, max_num_seqs=ecfg.max_num_seqs,
-                    max_queue_wait_s=ecfg.max_queue_wait_s)
+                    max_queue_wait_s=ecfg.max_queue_wait_s, nice=ecfg.engine_nice)
     if m.device.type == "cpu" and not ecfg.cpu_threads and ecfg.warm_up_tokens:
         build.choose_cpu_threads(engine.time_forward, engine.warm_up_size(ecfg.warm_up_tokens))
     engine.warm_up(ecfg.warm_up_tokens)

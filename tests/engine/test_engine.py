@@ -1,4 +1,5 @@
 """The engine on the real embedded model: chunked and batched prefill equal one plain forward."""
+import os
 import time
 
 import pytest
@@ -131,6 +132,37 @@ def test_warm_up_measures_throughput_and_returns_its_blocks(loaded):
     assert eng.warm_up(512) > 0  # (capped at the token budget: 64 tokens)
     assert eng.throughput.tokens_per_s() > 0 and pool.num_used == 0
     assert eng.warm_up(0) is None
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="per-thread nice is a Linux feature")
+def test_engine_thread_runs_below_the_server(loaded):
+    """The step loop's thread gets the nice asked for; the process's other threads keep theirs."""
+    cfg = EngineConfig(dtype="float32", num_kv_blocks=16, block_size=16, token_budget=64)
+    pool = build.make_pool(cfg, loaded)
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    eng = Engine(build.make_runner(loaded, pool), pool, LocalProducer(pool, 30), max_model_len=8192,
+                 vocab_size=loaded.config.vocab_size, token_budget=64, max_num_seqs=8, max_queue_wait_s=60,
+                 nice=10)
+    eng.start()
+    try:
+        nice = None
+        for _ in range(200):  # (the thread sets it as it starts)
+            nice = os.getpriority(os.PRIO_PROCESS, eng._thread.native_id)
+            if nice != before:
+                break
+            time.sleep(0.01)
+        assert nice == min(19, before + 10)
+        assert os.getpriority(os.PRIO_PROCESS, 0) == before
+        assert eng.submit(PrefillRequest("nice-1", (1, 2, 3))).result(timeout=60).num_prompt_tokens == 3
+    finally:
+        eng.stop()
+
+
+def test_engine_nice_is_checked():
+    with pytest.raises(ValueError, match="--engine-nice"):
+        EngineConfig(engine_nice=20).validate()
+    with pytest.raises(ValueError, match="--engine-nice"):
+        EngineConfig(engine_nice=-1).validate()
 
 
 def test_cpu_threads_are_halved_while_that_is_faster(monkeypatch):
