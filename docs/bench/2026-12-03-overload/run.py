@@ -76,11 +76,28 @@ class Stalls:
         return any(g0 < b and a < g1 for g0, g1 in self.gaps)
 
 
+def calibrate(out: pathlib.Path, model: str, decode_url: str) -> tuple[dict, dict]:
+    """Unloaded TTFT (one at a time) and the rate sustained at 4 in flight, with the default queue
+    budget (nothing is refused there)."""
+    server, url = serve(out, model, decode_url, None)
+    try:
+        un = loadtest(out, "unloaded", url, model, "--arrival", "concurrency", "--concurrency", "1",
+                      "--count", "24", "--warmup", "2")["summary"]
+        cap = loadtest(out, "capacity", url, model, "--arrival", "concurrency", "--concurrency", "4",
+                       "--duration", "90")["summary"]
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    return un, cap
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=pathlib.Path)
     ap.add_argument("--max-queue-wait", type=float, default=0.0, help="0: half the unloaded TTFT")
     ap.add_argument("--overload-s", type=float, default=150.0)
+    ap.add_argument("--rate", type=float, default=0.0, help="with --max-queue-wait: skip the unloaded and "
+                    "capacity runs and offer twice this rate (for diagnosis; no TTFT ratio then)")
     a = ap.parse_args()
     out = a.out
     out.mkdir(parents=True, exist_ok=True)
@@ -91,15 +108,10 @@ def main() -> int:
     res: dict = {"workload": WORKLOAD}
     stalls = Stalls()
     try:
-        server, url = serve(out, model, decode.url, None)
-        try:  # unloaded and capacity with the default queue budget (nothing is refused there)
-            un = loadtest(out, "unloaded", url, model, "--arrival", "concurrency", "--concurrency", "1",
-                          "--count", "24", "--warmup", "2")["summary"]
-            cap = loadtest(out, "capacity", url, model, "--arrival", "concurrency", "--concurrency", "4",
-                           "--duration", "90")["summary"]
-        finally:
-            server.terminate()
-            server.wait(timeout=60)
+        if a.rate and a.max_queue_wait:
+            un, cap = {"ttft_s": {"p50": None}}, {"request_throughput_rps": a.rate}
+        else:
+            un, cap = calibrate(out, model, decode.url)
         ttft0 = un["ttft_s"]["p50"]
         rate = cap["request_throughput_rps"]
         wait = a.max_queue_wait or round(ttft0 / 2, 2)
@@ -131,8 +143,8 @@ def main() -> int:
                              "share_429_within_50ms_outside_stalls":
                                  sum(t <= 0.05 for t in clear) / len(clear) if clear else None,
                              "time_to_429_max_outside_stalls_s": clear[-1] if clear else None,
-                             "admitted_p50_over_unloaded_p50": s["ttft_s"]["p50"] / ttft0 if ok else None,
-                             "admitted_p90_over_unloaded_p50": s["ttft_s"]["p90"] / ttft0 if ok else None})
+                             "admitted_p50_over_unloaded_p50": s["ttft_s"]["p50"] / ttft0 if ok and ttft0 else None,
+                             "admitted_p90_over_unloaded_p50": s["ttft_s"]["p90"] / ttft0 if ok and ttft0 else None})
     finally:
         decode.stop()
     (out / "result.json").write_text(json.dumps(res, indent=1))
