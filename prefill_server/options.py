@@ -20,9 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from prefill_server.config import (DECODE_ENGINES, DEFAULT_TRANSFER_TIMEOUT_S, FIRST_TOKEN_MODES, QUANTIZATIONS,
-                                   ROUTING_POLICIES, TOKENIZER_PARITY_POLICIES, TRANSFER_MODES, ConnectorConfig, EngineConfig,
-                                   NixlCompatConfig, PoolConfig, ServerConfig, SGLangConfig)
+from prefill_server.config import (DECODE_ENGINES, DEFAULT_TRANSFER_TIMEOUT_S, FIRST_TOKEN_MODES, KV_CACHE_DTYPES,
+                                   QUANTIZATIONS, ROUTING_POLICIES, TOKENIZER_PARITY_POLICIES, TRANSFER_MODES,
+                                   ConnectorConfig, EngineConfig, NixlCompatConfig, PoolConfig, ServerConfig,
+                                   SGLangConfig)
 
 GROUPS = {  # section -> --help title
     "model": "model",
@@ -87,6 +88,13 @@ OPTIONS: tuple[Option, ...] = (
          "GPUs with FP8 tensor cores (compute capability 8.9+: H100, H200, L40S); needs --dtype bfloat16 "
          "there; emulated (slow) on CPU. Only the KV we send changes (the decode keeps its own weights), by FP8's "
          "rounding: measure your model's accuracy first (docs/running.md, \"FP8\")", choices=QUANTIZATIONS),
+    _opt("--kv-cache-dtype", "model", "engine.kv_cache_dtype", "how KV pages are stored and sent, which must "
+         "be the decode's --kv-cache-dtype. auto: the model's dtype (--dtype), or the decode's FP8 when its "
+         "/metrics says so. fp8 (= fp8_e4m3): one byte per value, half of bf16's to hold and to send, "
+         "quantized as a vLLM decode quantizes its own (saturating e4m3, scales 1.0; a checkpoint with "
+         "calibrated KV scales is refused). vLLM decodes with --transfer-mode nixl-compat only; as a prefill "
+         "instance behind a router, spell it as the decodes do (fp8 or fp8_e4m3: vLLM hashes the name)",
+         choices=KV_CACHE_DTYPES),
     _opt("--device", "model", "engine.device", "auto | cpu | cuda | cuda:N"),
     # engine
     _opt("--attention", "engine", "engine.attention", "sparse: block-sparse attention for prompts past 8K "

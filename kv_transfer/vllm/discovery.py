@@ -47,12 +47,14 @@ class DecodeFacts:
 
 
 def declared(*, vllm_version: str, model: str, served_model_name: str, attn_backend_name: str,
-             block_size: int | None = None, dtype: str | None = None) -> DecodeFacts:
+             block_size: int | None = None, dtype: str | None = None, cache_dtype: str = "auto") -> DecodeFacts:
     """The facts of the decodes a PD router will pair us with, as the user declares them (a pure
     prefill instance: no --decode-url). The NIXL compatibility hash covers the version, the model
-    string and the attention backend: a wrong one fails the decode's handshake."""
+    string, the attention backend and the KV cache dtype's name: a wrong one fails the decode's
+    handshake."""
     return DecodeFacts(url="", vllm_version=vllm_version, model=model, served_model_name=served_model_name,
-                       block_size=block_size, dtype=dtype, attn_backend_name=attn_backend_name, declared=True)
+                       block_size=block_size, cache_dtype=cache_dtype, dtype=dtype,
+                       attn_backend_name=attn_backend_name, declared=True)
 
 
 def has_gpu() -> bool:
@@ -173,16 +175,17 @@ def wait_for_all(urls: tuple[str, ...], wait_s: float, discover=discover) -> tup
 
 
 def check_fleet(fleet: tuple[DecodeFacts, ...]) -> None:
-    """Decodes served by one prefill must take the same KV: the same model, block size and dtype
-    (where they say). Raises ``ValueError`` naming the decode that differs and how."""
+    """Decodes served by one prefill must take the same KV: the same model, block size, dtype and
+    KV cache dtype (where they say). Raises ``ValueError`` naming the decode that differs and how."""
     if not fleet:
         return
     first = fleet[0]
     for d in fleet[1:]:
         for what, a, b in (("model", first.model, d.model), ("block size", first.block_size, d.block_size),
-                           ("dtype", first.dtype, d.dtype), ("served model name", first.served_model_name,
-                                                             d.served_model_name)):
+                           ("dtype", first.dtype, d.dtype), ("kv cache dtype", first.cache_dtype, d.cache_dtype),
+                           ("served model name", first.served_model_name, d.served_model_name)):
             if a is not None and b is not None and a != b:
                 raise ValueError(f"the decodes differ in {what}: {first.url} has {a}, {d.url} has {b}; every "
                                  "--decode-url of one prefill server must serve the same model with the same "
-                                 "--block-size and --dtype (run one prefill server per kind of decode)")
+                                 "--block-size, --dtype and --kv-cache-dtype (run one prefill server per kind "
+                                 "of decode)")

@@ -45,7 +45,7 @@ class DecodeInfo:
 
     def factors(self, pool: KVPages) -> dict[str, Any]:
         return self.wire.factors(
-            model=self.model, dtype=str(pool.dtype), num_kv_heads=pool.num_kv_heads,
+            model=self.model, dtype=str(pool.compute_dtype), num_kv_heads=pool.num_kv_heads,
             head_size=pool.head_dim, num_hidden_layers=pool.num_layers,
             attn_backend_name=self.attn_backend_name, vllm_version=self.vllm_version,
             cache_dtype=self.cache_dtype, is_hma_enabled=self.is_hma_enabled)
@@ -59,11 +59,13 @@ class DecodeInfo:
                                             or self.block_size % pool.block_size):
             raise InvalidRequest(f"KV block size {pool.block_size} must divide the decode's "
                                  f"{self.block_size} (start it with --block-size {pool.block_size})")
-        if self.dtype is not None and self.dtype != str(pool.dtype):
-            raise InvalidRequest(f"decode dtype {self.dtype} != KV pool dtype {pool.dtype}; start the "
-                                 f"decode with --dtype {str(pool.dtype).removeprefix('torch.')}")
-        if self.cache_dtype not in ("auto", str(pool.dtype).removeprefix("torch.")):
-            raise InvalidRequest(f"decode kv-cache-dtype {self.cache_dtype} is not supported (use auto)")
+        if self.dtype is not None and self.dtype != str(pool.compute_dtype):
+            raise InvalidRequest(f"decode dtype {self.dtype} != KV pool dtype {pool.compute_dtype}; start the "
+                                 f"decode with --dtype {str(pool.compute_dtype).removeprefix('torch.')}")
+        if not pool.stores(self.cache_dtype):
+            raise InvalidRequest(f"decode {self.url} runs --kv-cache-dtype {self.cache_dtype}, this prefill server "
+                                 f"stores KV pages as {pool.cache_dtype}: start both with the same --kv-cache-dtype "
+                                 "(auto, or fp8)")
 
 
 def decode_info(facts: DecodeFacts, wires: Sequence[NixlWire], *, attn_backend_name: str | None = None,

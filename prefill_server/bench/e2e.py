@@ -42,6 +42,7 @@ from prefill_server.bench.common import (_sync, _version, bench_args, drive, int
                                          model_config, random_model)
 from prefill_server.bench.floor import Floor, matmul_peak
 from prefill_server.bench.gpu_clocks import ClockSampler
+from prefill_server.config import KV_CACHE_DTYPES
 from prefill_server.engine.engine import Engine
 from prefill_server.engine.kv_pool import KVPool
 from prefill_server.engine.types import PrefillRequest
@@ -194,6 +195,8 @@ def parse_args(argv):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quantization", default="none", choices=("none", "fp8"),
                     help="fp8: the projections in FP8, as serve --quantization fp8 (e2e: no floor, no check)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                    help="the KV pool's pages, as serve --kv-cache-dtype (fp8: e4m3 pages)")
     ap.add_argument("--fp8-exact-accum", action="store_true", help="FP8 GEMMs without use_fast_accum")
     ap.add_argument("--out", default="bench_e2e.json")
     args = ap.parse_args(argv)
@@ -206,6 +209,8 @@ def parse_args(argv):
         Fp8Linear.fast_accum = False
     if args.quantization != "none":  # the floor and the reference check time / compute bf16 GEMMs
         args.skip_floor, args.check_len, args.throughput_floor = True, 0, False
+    if args.kv_cache_dtype != "auto":  # (the reference check compares with bf16 pages)
+        args.check_len = 0
     args.tp = None
     if args.throughput:
         n, l = args.throughput.lower().split("x")
@@ -234,7 +239,8 @@ def run(args) -> dict:
         n, l = args.tp
         pool_tokens = max(pool_tokens, (args.token_budget // l + 1) * l)
     bs = args.block_size
-    pool = KVPool(cfg.num_layers, (pool_tokens + bs - 1) // bs + 1, cfg.num_kv_heads, bs, cfg.head_dim, dtype, device)
+    pool = KVPool(cfg.num_layers, (pool_tokens + bs - 1) // bs + 1, cfg.num_kv_heads, bs, cfg.head_dim, dtype, device,
+                  cache_dtype=args.kv_cache_dtype)
     res: dict = {"bench": "e2e", "meta": {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": "prefill-server bench e2e " + " ".join(args.argv),
@@ -242,6 +248,7 @@ def run(args) -> dict:
         "torch": torch.__version__, "cuda": torch.version.cuda,
         "triton": _version("triton"), "preset": args.preset, "dtype": args.dtype,
         "quantization": args.quantization, "fp8_exact_accum": args.fp8_exact_accum,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "model": {k: getattr(cfg, k) for k in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
                                                  "head_dim", "intermediate_size", "vocab_size", "rope_theta")},
         "block_size": bs, "chunk_tokens": chunk,

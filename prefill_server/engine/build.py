@@ -8,6 +8,7 @@ import torch
 
 from kv_transfer.base import StreamProducer
 from prefill_server.config import EngineConfig
+from prefill_server.engine.kv_format import KVFormat, kv_scales_in
 from prefill_server.engine.kv_pool import KVPool
 from prefill_server.engine.prefix_cache import salt_of
 from prefill_server.engine.runner import ModelRunner
@@ -44,11 +45,25 @@ def load(cfg: EngineConfig) -> LoadedModel:
     dtype = mcfg.dtype if cfg.dtype == "auto" else parse_dtype(cfg.dtype)
     if cfg.quantization == "fp8" and (why := fp8.unsupported(device, dtype)):
         raise ValueError(why)  # (before the weights load)
+    check_kv_format(cfg, path, dtype)
     mcfg, model = load_model(path, dtype=dtype, device=device)
     if cfg.quantization == "fp8":
         fp8.quantize_model(model)
     return LoadedModel(str(path), mcfg, model.eval(), Tokenizer(path), dtype, device, cfg.quantization)
 
+
+
+def check_kv_format(cfg: EngineConfig, path, dtype: torch.dtype) -> None:
+    """An FP8 KV cache needs the scales a vLLM decode uses: 1.0, its default. A checkpoint with
+    calibrated KV scales makes the decode divide by those: refused, as we do not apply them."""
+    if not KVFormat.of(cfg.kv_cache_dtype, dtype).quantized:
+        return
+    from prefill_server.models.weights import safetensors_index
+
+    if found := kv_scales_in(safetensors_index(path)):
+        raise ValueError(f"--kv-cache-dtype {cfg.kv_cache_dtype}: the checkpoint carries KV-cache scales "
+                         f"({found[0]}, {len(found)} in all), which a vLLM decode applies and this prefill "
+                         "server does not; use --kv-cache-dtype auto (and the decode too)")
 
 
 def describe(cfg: EngineConfig) -> LoadedModel:
@@ -57,6 +72,7 @@ def describe(cfg: EngineConfig) -> LoadedModel:
     path = resolve_model(cfg.model)
     mcfg = ModelConfig.from_hf_dir(path)
     dtype = mcfg.dtype if cfg.dtype == "auto" else parse_dtype(cfg.dtype)
+    check_kv_format(cfg, path, dtype)
     return LoadedModel(str(path), mcfg, None, Tokenizer(path), dtype, torch.device("meta"), cfg.quantization)
 
 
@@ -67,17 +83,21 @@ def make_pool(cfg: EngineConfig, m: LoadedModel, block_size: int | None = None) 
     """block_size: overrides cfg.block_size (e.g. the decode's, when cfg says 0 = auto)."""
     bs = block_size or cfg.block_size or DEFAULT_BLOCK_SIZE
     c = m.config
-    per_block = c.num_layers * c.num_kv_heads * bs * 2 * c.head_dim * m.dtype.itemsize
+    fmt = KVFormat.of(cfg.kv_cache_dtype, m.dtype)
+    per_block = c.num_layers * c.num_kv_heads * bs * 2 * c.head_dim * fmt.storage_dtype.itemsize
     num_blocks = cfg.num_kv_blocks or max(1, int(cfg.kv_cache_gib * 2**30) // per_block)
-    log.info("KV pool: %d blocks x %d tokens (%.2f GiB), prefix cache %s", num_blocks, bs,
-             num_blocks * per_block / 2**30, "on" if cfg.prefix_cache else "off")
+    log.info("KV pool: %d blocks x %d tokens (%.2f GiB, %s), prefix cache %s", num_blocks, bs,
+             num_blocks * per_block / 2**30, str(fmt.storage_dtype).removeprefix("torch."),
+             "on" if cfg.prefix_cache else "off")
     kind = str(m.dtype) if m.quantization == "none" else f"{m.dtype}|{m.quantization}"
+    if fmt.quantized:
+        kind += f"|kv:{fmt.cache_dtype}"
     salt = salt_of(m.path, kind, bs) if cfg.prefix_cache else None  # (K/V of this model only)
     host = int(cfg.host_cache_gib * 2**30) if salt is not None else 0
     if host:
         log.info("prefix cache host tier: %.2f GiB (%d blocks)", cfg.host_cache_gib, host // per_block)
     return KVPool(c.num_layers, num_blocks, c.num_kv_heads, bs, c.head_dim, m.dtype, m.device, cache_salt=salt,
-                  host_cache_bytes=host)
+                  host_cache_bytes=host, cache_dtype=cfg.kv_cache_dtype)
 
 
 def make_runner(m: LoadedModel, pool: KVPool, attention: str = "dense",

@@ -1,7 +1,8 @@
 """Paged KV pool: block allocation, page layout, and leases on finished requests' blocks.
 
 Memory: one contiguous tensor ``kv[L, num_blocks, H, N, 2*D]`` (layers, blocks, KV heads, tokens per
-block, K then V channels). One block of one layer is vLLM 0.32's page ``[H, N, K|V]`` ("LBHNC"), so a
+block, K then V channels), in the model's dtype or, for a decode with an FP8 KV cache, in e4m3
+(``kv_format.py``: quantized on write, dequantized on read). One block of one layer is vLLM 0.32's page ``[H, N, K|V]`` ("LBHNC"), so a
 decode reads it with one descriptor per (layer, run of contiguous blocks). The whole tensor is one
 region to register with NIXL.
 
@@ -31,6 +32,7 @@ from typing import Callable
 import torch
 
 from prefill_server.engine.host_cache import HostTier
+from prefill_server.engine.kv_format import KVFormat, canonical
 from prefill_server.engine.prefix_cache import PrefixCache
 from prefill_server.errors import PoolExhausted
 from prefill_server.layers import fused
@@ -49,17 +51,22 @@ class Lease:
 class KVPool:
     def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int,
                  head_dim: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 cache_salt: bytes | None = None, host_cache_bytes: int = 0):
-        """cache_salt: turns the prefix cache on (``prefix_cache.salt_of``: model, dtype, block size).
-        host_cache_bytes: host memory for blocks the prefix cache evicts (0: none)."""
+                 cache_salt: bytes | None = None, host_cache_bytes: int = 0, cache_dtype: str = "auto"):
+        """dtype: the model's, what K/V are computed in. cache_dtype: how pages store them
+        (``kv_format``: "auto", the model's dtype; "fp8" / "fp8_e4m3", vLLM's FP8 KV cache); ``dtype``
+        becomes the pages' element type. cache_salt: turns the prefix cache on
+        (``prefix_cache.salt_of``: model, dtype, block size). host_cache_bytes: host memory for
+        blocks the prefix cache evicts (0: none)."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_layers, self.num_blocks = num_layers, num_blocks
         self.num_kv_heads, self.block_size, self.head_dim = num_kv_heads, block_size, head_dim
-        self.dtype, self.device = dtype, torch.device(device)
+        self.format = KVFormat.of(cache_dtype, dtype)
+        self.compute_dtype, self.cache_dtype = dtype, self.format.cache_dtype
+        self.dtype, self.device = self.format.storage_dtype, torch.device(device)
         # kv: [L, NB, H, N, 2D]
         self.kv = torch.zeros(num_layers, num_blocks, num_kv_heads, block_size, 2 * head_dim,
-                              dtype=dtype, device=self.device)
+                              dtype=self.dtype, device=self.device)
         self._lock = threading.Lock()
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self._ref = [0] * num_blocks  # holders of each block
@@ -67,7 +74,7 @@ class KVPool:
         self.cache: PrefixCache | None = PrefixCache() if cache_salt is not None else None
         self.host: HostTier | None = None
         if self.cache is not None and host_cache_bytes > 0:
-            self.host = HostTier.of_bytes(host_cache_bytes, tuple(self.kv.shape[:1] + self.kv.shape[2:]), dtype,
+            self.host = HostTier.of_bytes(host_cache_bytes, tuple(self.kv.shape[:1] + self.kv.shape[2:]), self.dtype,
                                           pin=self.device.type == "cuda")
         self._leases: dict[str, Lease] = {}
         self.expired_total = 0
@@ -75,6 +82,10 @@ class KVPool:
         self.on_lease_end: Callable[[Lease, bool], None] | None = None
 
     # ---- geometry (what a peer needs to address pages) ----
+    def stores(self, cache_dtype: str) -> bool:
+        """Whether a decode running ``--kv-cache-dtype cache_dtype`` reads these pages as its own."""
+        return canonical(cache_dtype, self.compute_dtype) == self.cache_dtype
+
     @property
     def block_bytes(self) -> int:
         """Bytes of one block of one layer: H * N * 2D * itemsize."""
@@ -246,11 +257,12 @@ class KVPool:
 
     def _write(self, page: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
                k: torch.Tensor, v: torch.Tensor) -> None:
-        d = self.head_dim
-        if fused.available(page) and fused.kv_write(page, blocks, offsets, k, v):  # one pass, on CUDA
-            return
-        page[blocks, :, offsets, :d] = k.to(self.dtype)
-        page[blocks, :, offsets, d:] = v.to(self.dtype)
+        d, f = self.head_dim, self.format
+        # (the fused kernel casts; FP8 pages take vLLM's saturating quantization below)
+        if not f.quantized and fused.available(page) and fused.kv_write(page, blocks, offsets, k, v):
+            return  # one pass, on CUDA
+        page[blocks, :, offsets, :d] = f.store(k, f.k_scale)
+        page[blocks, :, offsets, d:] = f.store(v, f.v_scale)
 
     # ---- streaming (push) staging: a few layers of one prompt, not all of them ----
     # The pool seen as flat pages kv.view(L * NB, H, N, 2D): page (layer l, block b) = l * NB + b.
@@ -285,7 +297,8 @@ class KVPool:
 
     def read(self, layer: int, block_ids: list[int] | None, num_tokens: int,
              table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of the first num_tokens tokens of a request: each [T, H, D] (views of one copy).
+        """K, V of the first num_tokens tokens of a request: each [T, H, D] in the compute dtype
+        (views of one copy; from FP8 pages, dequantized copies).
         table: ``block_table(block_ids, n)`` for some n >= num_tokens, made once for many reads
         (block_ids is then not looked at)."""
         if table is None:
@@ -296,8 +309,8 @@ class KVPool:
         else:  # a gather [b, H, N, 2D], then a permute copy
             pages = self.kv[layer].index_select(0, idx)
             flat = pages.permute(0, 2, 1, 3).reshape(-1, self.num_kv_heads, 2 * self.head_dim)
-        flat = flat[:num_tokens]
-        return flat[..., : self.head_dim], flat[..., self.head_dim:]
+        flat, f = flat[:num_tokens], self.format
+        return f.load(flat[..., : self.head_dim], f.k_scale), f.load(flat[..., self.head_dim:], f.v_scale)
 
     # ---- leases ----
     def lease(self, request_id: str, block_ids: list[int], ttl_s: float, num_tokens: int = 0,

@@ -14,7 +14,7 @@ import uvicorn
 from kv_transfer.vllm import discovery
 from kv_transfer.vllm.discovery import DecodeFacts
 from prefill_server.backends import TransferBackend, backend_for, first_token_mode
-from prefill_server.config import EngineConfig, ServerConfig
+from prefill_server.config import KV_CACHE_DTYPES, EngineConfig, ServerConfig
 from prefill_server.engine.worker import build_local_worker
 from prefill_server.serving.grpc_server import start_grpc
 from prefill_server.serving.http import create_app
@@ -46,6 +46,7 @@ def build_service(ecfg: EngineConfig, scfg: ServerConfig,
     if discovered_here:
         parity = check_tokenizers(ecfg, scfg, fleet)
     ecfg = follow_decode(ecfg, next((f for f in fleet if f.dtype), fleet[0] if fleet else None))
+    ecfg = follow_decode_cache(ecfg, scfg, fleet[0] if fleet else None)
     if scfg.pool.enabled:  # workers on Ray (imported only then); started by worker.start()
         from prefill_server.cluster.pool import build_ray_pool
 
@@ -60,7 +61,8 @@ def build_service(ecfg: EngineConfig, scfg: ServerConfig,
               else "the model's context")
     info = ModelInfo(served, m.path, c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size, worker.max_model_len,
                      str(m.dtype).removeprefix("torch."), worker.block_size,
-                     max_model_len_source=source, prefix_cache=ecfg.prefix_cache)
+                     max_model_len_source=source, prefix_cache=ecfg.prefix_cache,
+                     kv_cache_dtype=ecfg.kv_cache_dtype)
     return PrefillService(worker, m.tokenizer, info, backend, first_token=first_token_mode(scfg, backend),
                           eos_token_ids=c.eos_token_ids, parity=parity)
 
@@ -141,7 +143,7 @@ def declared_decodes(ecfg: EngineConfig, scfg: ServerConfig) -> DecodeFacts:
     facts = discovery.declared(vllm_version=nc.decode_vllm_version, model=model,
                                served_model_name=scfg.served_model_name or model, attn_backend_name=backend,
                                block_size=ecfg.block_size or None,
-                               dtype=None if ecfg.dtype == "auto" else ecfg.dtype)
+                               dtype=None if ecfg.dtype == "auto" else ecfg.dtype, cache_dtype=ecfg.kv_cache_dtype)
     log.info("prefill instance (no --decode-url): serving requests with kv_transfer_params.do_remote_decode "
              "for decodes that run vLLM %s with --model %r and attention backend %s (a decode that differs "
              "fails its NIXL handshake with 'compatibility hash mismatch': set --decode-vllm-version, "
@@ -196,6 +198,33 @@ def follow_decode(ecfg: EngineConfig, facts: DecodeFacts | None) -> EngineConfig
     if ecfg.dtype != facts.dtype:
         raise ValueError(f"--dtype {ecfg.dtype}, but the decode at {facts.url} runs {facts.dtype}: start the "
                          f"prefill with --dtype {facts.dtype} (or auto), or the decode with --dtype {ecfg.dtype}")
+    return ecfg
+
+
+_NATIVE_CACHE_DTYPES = ("bfloat16", "float16", "half", "float32", "float")  # vLLM's unquantized names
+
+
+def follow_decode_cache(ecfg: EngineConfig, scfg: ServerConfig, facts: DecodeFacts | None) -> EngineConfig:
+    """``--kv-cache-dtype auto`` is a vLLM decode's FP8 when its /metrics says so; an explicit one
+    must be the decode's. FP8 pages go only to vLLM decodes that pull them (nixl-compat; local keeps
+    them here)."""
+    theirs = facts.cache_dtype if facts is not None and not facts.declared else "auto"
+    if theirs not in ("auto", *_NATIVE_CACHE_DTYPES):  # (a native name: the model's dtype, or the
+        # producer's check refuses the pairing)
+        if theirs not in KV_CACHE_DTYPES:
+            raise ValueError(f"the decode at {facts.url} runs --kv-cache-dtype {theirs}, which this prefill "
+                             f"server does not write: start it with --kv-cache-dtype auto or fp8")
+        if ecfg.kv_cache_dtype == "auto":
+            log.info("KV pages in %s, as the decode at %s stores them (--kv-cache-dtype)", theirs, facts.url)
+            ecfg = dataclasses.replace(ecfg, kv_cache_dtype=theirs)
+    elif ecfg.kv_cache_dtype != "auto" and facts is not None and not facts.declared:
+        raise ValueError(f"--kv-cache-dtype {ecfg.kv_cache_dtype}, but the decode at {facts.url} stores its KV "
+                         f"cache in the model's dtype: start it with --kv-cache-dtype {ecfg.kv_cache_dtype}, or "
+                         "this server with --kv-cache-dtype auto")
+    if ecfg.kv_cache_dtype != "auto" and (scfg.decode_engine == "sglang" or scfg.transfer_mode == "connector"):
+        what = "SGLang decodes take" if scfg.decode_engine == "sglang" else "--transfer-mode connector takes"
+        raise ValueError(f"--kv-cache-dtype {ecfg.kv_cache_dtype} works with vLLM decodes that pull KV "
+                         f"(--transfer-mode nixl-compat); {what} KV in the model's dtype: use --kv-cache-dtype auto")
     return ecfg
 
 

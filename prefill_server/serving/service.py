@@ -26,6 +26,7 @@ class ModelInfo:
     kv_layout: str = "LBHNC"  # pool page layout: per layer, per block [H, N, K|V]
     max_model_len_source: str = "the model's context"  # or "the decode's --max-model-len"
     prefix_cache: bool = False  # --prefix-cache: KV of repeated prompt heads is reused
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype: how pages are stored ("fp8": e4m3, one byte a value)
 
 
 class PrefillService:

@@ -17,8 +17,9 @@ def render(info, load: WorkerLoad) -> bytes:
     labels = f'engine="0",model_name="{escape_label(info.served_name)}"'
     used = load.total_blocks - load.free_blocks
     usage = used / load.total_blocks if load.total_blocks else 0.0
-    cache = {"block_size": str(load.block_size or info.block_size), "cache_dtype": "auto",
-             "enable_prefix_caching": str(bool(info.prefix_cache)), "engine": "0", "num_gpu_blocks": str(load.total_blocks)}
+    cache = {"block_size": str(load.block_size or info.block_size), "cache_dtype": info.kv_cache_dtype,
+             "enable_prefix_caching": str(bool(info.prefix_cache)), "engine": "0",
+             "num_gpu_blocks": str(load.total_blocks)}
     cache_labels = ",".join(f'{k}="{escape_label(v)}"' for k, v in sorted(cache.items()))
     lines = [
         "# HELP vllm:num_requests_waiting Requests waiting to be prefilled (vLLM's name, for PD routers).",

@@ -8,6 +8,17 @@
         NixlAgentMetadata vLLM's decoders read from it (bytes fields as hex).
     .venv-vllm/bin/python tests/kv_transfer/vllm_reference.py encode < metadata.json
         stdin: JSON NixlAgentMetadata fields (bytes as hex); stdout: hex of vLLM's own msgpack.
+    .venv-vllm/bin/python tests/kv_transfer/vllm_reference.py fp8_kv < case.json
+        stdin: {"values": hex of float32 values, "scale": s, "cache_dtype": "fp8", "model_dtype":
+        "bfloat16", "block_size": N, "num_kv_heads": H, "head_size": D}; stdout: {"codes": hex of the
+        e4m3 bytes vLLM's static per-tensor FP8 quantization (``QuantFP8.forward_native``, the native
+        form of its CUDA cache write: x / scale, saturated) makes of them, "storage_dtype": the torch
+        dtype vLLM allocates that cache in, "page_size_bytes": one block's page of one layer
+        (``FullAttentionSpec``, what the decode's NIXL block_len is)}.
+    .venv-vllm/bin/python tests/kv_transfer/vllm_reference.py fp8_ckpt < case.json
+        stdin: {"quantization_config": a checkpoint's, "layers": [{"name", "in", "out"}]}; stdout:
+        {layer name: {parameter: [shape, dtype]}}, the parameters vLLM's quantization method for that
+        config (compressed-tensors or fp8) creates for the layer: the checkpoint tensors it loads.
     .venv-vllm/bin/python tests/kv_transfer/vllm_reference.py all < {"hash":..,"decode":hex,"encode":..}
         the three above in one process (vLLM's import costs ~10 s).
 
@@ -53,7 +64,78 @@ def run(cmd: str, data):
         f["ssm_sizes"] = tuple(f["ssm_sizes"])
         f["packed_member_layouts"] = {k: tuple(v) for k, v in f["packed_member_layouts"].items()}
         return msgspec.msgpack.Encoder().encode(md.NixlAgentMetadata(**f)).hex()
+    if cmd == "fp8_kv":
+        return fp8_kv(data)
+    if cmd == "fp8_ckpt":
+        return fp8_ckpt(data)
     raise SystemExit(f"unknown command {cmd}")
+
+
+def fp8_kv(case: dict) -> dict:
+    import torch
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+    from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    x = torch.frombuffer(bytearray(bytes.fromhex(case["values"])), dtype=torch.float32)
+    with set_current_vllm_config(VllmConfig()):
+        quant = QuantFP8(static=True, group_shape=GroupShape.PER_TENSOR)
+    codes, _ = quant.forward_native(x[None], torch.tensor([case["scale"]], dtype=torch.float32))
+    model = SimpleNamespace(dtype=getattr(torch, case["model_dtype"]))
+    storage = kv_cache_dtype_str_to_dtype(case["cache_dtype"], model)
+    spec = FullAttentionSpec(block_size=case["block_size"], num_kv_heads=case["num_kv_heads"],
+                             head_size=case["head_size"], dtype=storage)
+    return {"codes": codes.view(torch.uint8).numpy().tobytes().hex(), "storage_dtype": str(storage),
+            "page_size_bytes": spec.page_size_bytes}
+
+
+
+def fp8_ckpt(case: dict) -> dict:
+    """vLLM's linear method for each layer, in a one-process tensor-parallel group (its layers ask
+    for their rank); the config stand-in has the two model_config attributes the schemes read."""
+    import torch
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    qc = case["quantization_config"]
+    config = get_quantization_config(qc["quant_method"]).from_config(qc)
+    vc = VllmConfig()
+    object.__setattr__(vc, "model_config", SimpleNamespace(dtype=torch.bfloat16, is_moe=False))
+
+    class Linear(torch.nn.Module):  # compressed-tensors targets layers by class name
+        pass
+
+    out = {}
+    with set_current_vllm_config(vc):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+        initialize_model_parallel(1, 1)
+        for spec in case["layers"]:
+            layer = Linear()
+            if qc["quant_method"] == "compressed-tensors":
+                scheme = config.get_scheme(layer, layer_name=spec["name"])
+                scheme.create_weights(layer=layer, output_partition_sizes=[spec["out"]],
+                                      input_size_per_partition=spec["in"], params_dtype=torch.bfloat16,
+                                      weight_loader=lambda *a, **k: None, input_size=spec["in"],
+                                      output_size=spec["out"])
+            else:
+                from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
+
+                Fp8LinearMethod(config).create_weights(layer, spec["in"], [spec["out"]], spec["in"], spec["out"],
+                                                       torch.bfloat16, weight_loader=lambda *a, **k: None)
+            out[spec["name"]] = {n: [list(p.shape), str(p.dtype)] for n, p in layer.named_parameters()}
+    return out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def main() -> None:
