@@ -13,7 +13,7 @@ DECODE_ENGINES = ("auto", "vllm", "sglang")
 # serving/token_parity.py: refuse to start on a difference with a decode's tokenizer (the default:
 # a difference silently changes every answer), tokenize every prompt through the decode, or warn
 TOKENIZER_PARITY_POLICIES = ("refuse", "decode", "warn")
-QUANTIZATIONS = ("none", "fp8")
+QUANTIZATIONS = ("auto", "none", "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's --kv-cache-dtype names we write (engine/kv_format.py)
 DEFAULT_TRANSFER_TIMEOUT_S = 30.0  # connector mode; capped at the lease time unless set explicitly
 
@@ -22,7 +22,7 @@ DEFAULT_TRANSFER_TIMEOUT_S = 30.0  # connector mode; capped at the lease time un
 class EngineConfig:
     model: str | None = None  # HF folder path, or None / the default name for the embedded model
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    quantization: str = "none"  # none | fp8: the decoder layers' projections in FP8 (layers/fp8.py)
+    quantization: str = "auto"  # auto (the checkpoint's) | none | fp8: the decoder layers' projections in FP8
     kv_cache_dtype: str = "auto"  # auto | fp8 | fp8_e4m3: how KV pages are stored and sent (engine/kv_format.py)
     device: str = "auto"  # auto | cpu | cuda[:N]
     block_size: int = 0  # tokens per KV block; 0 = the decode's (16 if it cannot be discovered)
@@ -45,7 +45,7 @@ class EngineConfig:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"--quantization must be {' or '.join(QUANTIZATIONS)}, not {self.quantization!r}")
+            raise ValueError(f"--quantization must be {', '.join(QUANTIZATIONS)}, not {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype must be {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}")
         if self.block_size not in (0, 1, 2, 4, 8, 16, 32, 64, 128, 256):

@@ -83,11 +83,14 @@ OPTIONS: tuple[Option, ...] = (
          "be the decode's. auto: the decode's when it says (it runs with VLLM_SERVER_DEV_MODE=1), else the "
          "model's", choices=("auto", "float32", "bfloat16", "float16")),
     _opt("--quantization", "model", "engine.quantization", "fp8: the decoder layers' linear layers in FP8 "
-         "(e4m3 weights quantized per output channel when the model loads, activations per token; the "
-         "embedding and lm_head stay in --dtype). About half the weight memory and faster long prompts on "
-         "GPUs with FP8 tensor cores (compute capability 8.9+: H100, H200, L40S); needs --dtype bfloat16 "
-         "there; emulated (slow) on CPU. Only the KV we send changes (the decode keeps its own weights), by FP8's "
-         "rounding: measure your model's accuracy first (docs/running.md, \"FP8\")", choices=QUANTIZATIONS),
+         "(e4m3 weights quantized per output channel when the model loads, or read as they are from an FP8 "
+         "checkpoint in a format vLLM loads: compressed-tensors per channel / per tensor, or quant_method fp8; "
+         "activations per token; the embedding and lm_head stay in --dtype). About half the weight memory and "
+         "faster long prompts on GPUs with FP8 tensor cores (compute capability 8.9+: H100, H200, L40S); needs "
+         "--dtype bfloat16 there; emulated (slow) on CPU. auto (default): fp8 for an FP8 checkpoint where the "
+         "device runs FP8 layers (else its weights dequantized), none for any other. none: unquantized (an FP8 "
+         "checkpoint dequantized into --dtype). Only the KV we send changes (the decode keeps its own weights), "
+         "by FP8's rounding: measure your model's accuracy first (docs/running.md, \"FP8\")", choices=QUANTIZATIONS),
     _opt("--kv-cache-dtype", "model", "engine.kv_cache_dtype", "how KV pages are stored and sent, which must "
          "be the decode's --kv-cache-dtype. auto: the model's dtype (--dtype), or the decode's FP8 when its "
          "/metrics says so. fp8 (= fp8_e4m3): one byte per value, half of bf16's to hold and to send, "

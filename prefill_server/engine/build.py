@@ -16,7 +16,7 @@ from prefill_server.layers import fp8
 from prefill_server.models.config import ModelConfig, parse_dtype
 from prefill_server.models.registry import resolve_model
 from prefill_server.models.tokenizer import Tokenizer
-from prefill_server.models.weights import load_model
+from prefill_server.models.weights import checkpoint_fp8, load_model
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     dtype: torch.dtype
     device: torch.device
-    quantization: str = "none"  # the weights' (EngineConfig.quantization): K/V differ with it
+    quantization: str = "none"  # as run (resolve_quantization: none | fp8): K/V differ with it
 
 
 def pick_device(name: str) -> torch.device:
@@ -43,14 +43,27 @@ def load(cfg: EngineConfig) -> LoadedModel:
     device = pick_device(cfg.device)
     mcfg = ModelConfig.from_hf_dir(path)
     dtype = mcfg.dtype if cfg.dtype == "auto" else parse_dtype(cfg.dtype)
-    if cfg.quantization == "fp8" and (why := fp8.unsupported(device, dtype)):
-        raise ValueError(why)  # (before the weights load)
+    ckpt = checkpoint_fp8(path)  # (the checks before the weights load: a refusal comes in seconds)
+    quantization = resolve_quantization(cfg.quantization, ckpt is not None, device, dtype)
     check_kv_format(cfg, path, dtype)
-    mcfg, model = load_model(path, dtype=dtype, device=device)
-    if cfg.quantization == "fp8":
+    from_ckpt = quantization == "fp8" and ckpt is not None
+    mcfg, model = load_model(path, dtype=dtype, device=device, fp8_projections=from_ckpt)
+    if quantization == "fp8" and not from_ckpt:
         fp8.quantize_model(model)
-    return LoadedModel(str(path), mcfg, model.eval(), Tokenizer(path), dtype, device, cfg.quantization)
+    return LoadedModel(str(path), mcfg, model.eval(), Tokenizer(path), dtype, device, quantization)
 
+
+def resolve_quantization(requested: str, fp8_checkpoint: bool, device: torch.device, dtype: torch.dtype) -> str:
+    """--quantization as run: auto is an FP8 checkpoint's fp8 where this device runs FP8 layers (else
+    its weights dequantized, with a warning), none for any other; fp8 where the device cannot is refused."""
+    why = None if device.type == "meta" else fp8.unsupported(device, dtype)
+    if requested == "auto":
+        if fp8_checkpoint and why:
+            log.warning("FP8 checkpoint dequantized into %s: %s", dtype, why)
+        return "fp8" if fp8_checkpoint and not why else "none"
+    if requested == "fp8" and why:
+        raise ValueError(why)
+    return requested
 
 
 def check_kv_format(cfg: EngineConfig, path, dtype: torch.dtype) -> None:
@@ -73,7 +86,9 @@ def describe(cfg: EngineConfig) -> LoadedModel:
     mcfg = ModelConfig.from_hf_dir(path)
     dtype = mcfg.dtype if cfg.dtype == "auto" else parse_dtype(cfg.dtype)
     check_kv_format(cfg, path, dtype)
-    return LoadedModel(str(path), mcfg, None, Tokenizer(path), dtype, torch.device("meta"), cfg.quantization)
+    meta = torch.device("meta")
+    quantization = resolve_quantization(cfg.quantization, checkpoint_fp8(path) is not None, meta, dtype)
+    return LoadedModel(str(path), mcfg, None, Tokenizer(path), dtype, meta, quantization)
 
 
 DEFAULT_BLOCK_SIZE = 16

@@ -119,7 +119,7 @@ def test_quantize_model_replaces_the_projections_only_and_stays_close():
 def test_quantization_flag_is_validated():
     EngineConfig(quantization="fp8").validate()
     assert fp8.unsupported(torch.device("cpu"), torch.float32) is None  # emulated off CUDA
-    with pytest.raises(ValueError, match="--quantization must be none or fp8"):
+    with pytest.raises(ValueError, match="--quantization must be auto, none, fp8"):
         EngineConfig(quantization="int4").validate()
 
 
