@@ -186,10 +186,13 @@ class SGLangBackend(TransferBackend):
     def __init__(self, config: SGLangConfig):
         self.config = config
         self.page_size_in_use: int | None = None  # once the producer is made
+        self._producer = None
 
     @property
     def bootstrap_port(self) -> int:
-        return self.config.bootstrap_port
+        """The port the bootstrap server listens on once started (--bootstrap-port 0: the one the OS
+        gave), else as configured."""
+        return self._producer.bootstrap_port if self._producer is not None else self.config.bootstrap_port
 
     def page_size(self, fleet: tuple[DecodeFacts, ...]) -> int:
         """The decodes' page size: as set, else as a decode says, else SGLang's default (1)."""
@@ -206,8 +209,9 @@ class SGLangBackend(TransferBackend):
                 raise ValueError(f"--page-size {page_size}, but the SGLang decode at {f.url} runs --page-size "
                                  f"{f.block_size}: give every decode and this server the same page size")
         self.page_size_in_use = page_size
-        return SGLangProducer(pool, page_size, host=host, bootstrap_port=self.config.bootstrap_port, rank_port=port,
-                              transfer_timeout_s=self.config.transfer_timeout_s)
+        self._producer = SGLangProducer(pool, page_size, host=host, bootstrap_port=self.config.bootstrap_port,
+                                        rank_port=port, transfer_timeout_s=self.config.transfer_timeout_s)
+        return self._producer
 
     def pool_block_size(self, fleet):
         return None  # any: the layer conversion regroups our blocks into the decode's pages

@@ -32,7 +32,6 @@ from prefill_server.cluster import pool_metrics, routers
 from prefill_server.cluster.autoscaling import POLICY
 from prefill_server.cluster.replica import PrefillReplica, ReplicaSpec
 from prefill_server.cluster.router import PrefillRouter, prefix_hashes
-from prefill_server.engine.prefix_cache import salt_of
 from prefill_server.config import EngineConfig, PoolConfig, ServerConfig
 from prefill_server.engine import build
 from prefill_server.engine.types import PrefillRequest, WorkerLoad
@@ -52,8 +51,9 @@ class RayPool:
         self.spec, self.loaded = spec, loaded
         self.max_model_len, self.block_size = max_model_len, block_size
         self.config: PoolConfig = spec.server.pool
-        # the workers' prefix caches name blocks under this salt (engine/build.py): the router's hints too
-        self.cache_salt = salt_of(loaded.path, str(loaded.dtype), block_size)
+        # the workers' prefix caches name blocks under this salt: the router's hints too (start()
+        # adopts a worker's own, as --quantization auto resolves on the worker's device)
+        self.cache_salt = build.cache_salt(loaded, block_size, spec.engine.kv_cache_dtype)
         self.metrics = Metrics()  # the gateway's; each worker has its own engine metrics
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="ray-pool", daemon=True)
@@ -90,6 +90,8 @@ class RayPool:
             raise
         info = self._call("info", {}, timeout_s=60.0)
         self._total_blocks = int(info["total_blocks"])
+        if info.get("cache_salt"):
+            self.cache_salt = bytes.fromhex(info["cache_salt"])
         log.info("pool: %d worker(s) asked, %s GPU(s) each; first worker %s on %s", self.config.bounds()[0],
                  self._gpus, info["worker"], info["node_ip"])
 

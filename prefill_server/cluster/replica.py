@@ -99,7 +99,8 @@ class PrefillReplica:
         w = self.worker
         return {"worker": self.id, "node_ip": self.node_ip, "pid": os.getpid(), "gpu_ids": self.gpu_ids,
                 "side_channel_host": self.side_channel_host, "started_at": self.started_at,
-                "total_blocks": w.load().total_blocks, "block_size": w.block_size, "max_model_len": w.max_model_len}
+                "total_blocks": w.load().total_blocks, "block_size": w.block_size, "max_model_len": w.max_model_len,
+                "cache_salt": salt.hex() if (salt := w.engine.pool.cache_salt) else None}
 
     def reset_prefix_cache(self, _request: dict[str, Any] | None = None) -> int:
         return self.worker.reset_prefix_cache()

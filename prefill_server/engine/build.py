@@ -94,6 +94,16 @@ def describe(cfg: EngineConfig) -> LoadedModel:
 DEFAULT_BLOCK_SIZE = 16
 
 
+def cache_salt(m: LoadedModel, block_size: int, kv_cache_dtype: str) -> bytes:
+    """The prefix cache's root for this model as run: K/V of another dtype, quantization, KV page
+    format or block size never serve it (a pool's router names blocks with it too)."""
+    fmt = KVFormat.of(kv_cache_dtype, m.dtype)
+    kind = str(m.dtype) if m.quantization == "none" else f"{m.dtype}|{m.quantization}"
+    if fmt.quantized:
+        kind += f"|kv:{fmt.cache_dtype}"
+    return salt_of(m.path, kind, block_size)
+
+
 def make_pool(cfg: EngineConfig, m: LoadedModel, block_size: int | None = None) -> KVPool:
     """block_size: overrides cfg.block_size (e.g. the decode's, when cfg says 0 = auto)."""
     bs = block_size or cfg.block_size or DEFAULT_BLOCK_SIZE
@@ -104,10 +114,7 @@ def make_pool(cfg: EngineConfig, m: LoadedModel, block_size: int | None = None) 
     log.info("KV pool: %d blocks x %d tokens (%.2f GiB, %s), prefix cache %s", num_blocks, bs,
              num_blocks * per_block / 2**30, str(fmt.storage_dtype).removeprefix("torch."),
              "on" if cfg.prefix_cache else "off")
-    kind = str(m.dtype) if m.quantization == "none" else f"{m.dtype}|{m.quantization}"
-    if fmt.quantized:
-        kind += f"|kv:{fmt.cache_dtype}"
-    salt = salt_of(m.path, kind, bs) if cfg.prefix_cache else None  # (K/V of this model only)
+    salt = cache_salt(m, bs, cfg.kv_cache_dtype) if cfg.prefix_cache else None
     host = int(cfg.host_cache_gib * 2**30) if salt is not None else 0
     if host:
         log.info("prefix cache host tier: %.2f GiB (%d blocks)", cfg.host_cache_gib, host // per_block)

@@ -111,16 +111,19 @@ def test_a_cache_reset_makes_the_router_forget_who_held_what():
     assert router._holder([a, b], hashes) is None
 
 
-def test_prefix_hints_name_blocks_as_the_workers_prefix_cache_does():
+@pytest.mark.parametrize("quantization,kv_cache_dtype", [("none", "auto"), ("fp8", "auto"), ("none", "fp8")])
+def test_prefix_hints_name_blocks_as_the_workers_prefix_cache_does(quantization, kv_cache_dtype):
     """The pool's hints for a prompt are the hashes a worker's cache gives its blocks: the same
-    chain under the same salt of model, dtype and block size (another salt names other blocks)."""
+    chain under the same salt of model, dtype, quantization, KV page format and block size (another
+    salt names other blocks)."""
     from prefill_server.backends import backend_for
     from prefill_server.cluster.pool import build_ray_pool
     from prefill_server.config import EngineConfig, PoolConfig, ServerConfig
     from prefill_server.engine.prefix_cache import block_hashes
     from prefill_server.engine.worker import build_local_worker
 
-    ecfg = EngineConfig(dtype="float32", num_kv_blocks=16, block_size=16, prefix_cache=True)
+    ecfg = EngineConfig(dtype="float32", num_kv_blocks=16, block_size=16, prefix_cache=True,
+                        quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     scfg = ServerConfig(transfer_mode="local")
     pool = build_ray_pool(ecfg, dataclasses.replace(scfg, pool=PoolConfig(workers=2)), ())
     engine_pool = build_local_worker(ecfg, backend_for(scfg), (), side_channel_host="127.0.0.1",

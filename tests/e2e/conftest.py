@@ -34,7 +34,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if here in pathlib.Path(item.path).parents:
             item.add_marker(pytest.mark.e2e)
-            item.add_marker(pytest.mark.timeout(2400))  # a real decode on 2 shared cores is slow
+            if item.get_closest_marker("timeout") is None:  # a test may ask for longer
+                item.add_marker(pytest.mark.timeout(2400))  # a real decode on 2 shared cores is slow
 
 
 @pytest.fixture(scope="session")

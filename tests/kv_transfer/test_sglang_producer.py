@@ -349,3 +349,19 @@ def test_a_room_whose_request_was_refused_fails_on_its_decode_at_once(prefill, d
     eng.free()
     assert decode.receive(5)[:3] == [b"KV_STATUS", b"33", b"4"]
     assert prefill.num_active == 0
+
+
+def test_the_backend_reports_the_bootstrap_port_the_os_gave():
+    """--bootstrap-port 0 binds any free port: the server's banner, /server_info and the rooms it
+    checks name that port, not 0."""
+    from prefill_server.backends import SGLangBackend
+    from prefill_server.config import SGLangConfig
+
+    backend = SGLangBackend(SGLangConfig(bootstrap_port=0, page_size=PS))
+    assert backend.bootstrap_port == 0  # before start-up: as configured
+    producer = backend.make_producer(KVPool(L, 8, H, N, D), "model", (), "127.0.0.1", 0, 30.0)
+    producer.start()
+    try:
+        assert backend.bootstrap_port == producer.bootstrap_port > 0
+    finally:
+        producer.stop()
