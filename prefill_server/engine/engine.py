@@ -246,17 +246,19 @@ class Engine:
                               block_size=self.pool.block_size, tokens_per_s=self.throughput.tokens_per_s())
 
     def check_admission(self) -> None:
-        """Raise ``Overloaded`` now if the queue ahead would keep a new request past its deadline."""
-        with self._wake:
-            self._admit()
+        """Raise ``Overloaded`` now if the queue ahead would keep a new request past its deadline.
+        Without the lock, from the scheduler's last published count: a full server answers at once
+        even while the compute thread holds the lock (``submit`` checks again under it)."""
+        self._admit(self.scheduler.queued_tokens)
 
-    def _admit(self) -> None:  # lock held
+    def _admit(self, ahead: int | None = None) -> None:  # lock held, unless ahead is given
         """Shed a request that could not start within the queue deadline at the measured rate (the
         prompt tokens ahead of it decide, not its own)."""
         rate = self.throughput.tokens_per_s()
         if rate is None:
             return
-        ahead = self.scheduler.pending_tokens()
+        if ahead is None:
+            ahead = self.scheduler.pending_tokens()
         wait_s = ahead / rate
         if wait_s <= self.scheduler.max_queue_wait_s:
             return

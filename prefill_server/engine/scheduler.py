@@ -111,6 +111,10 @@ class Scheduler:
         # (else the queue waits for compute: the token budget or max_num_seqs)
         self.blocked_on_kv = False
         self.on_lookup = lambda queried, hit: None
+        # pending_tokens() as of the last change, readable without the engine's lock: the 429 path
+        # must never wait for the compute thread (it runs at a lower priority and may be preempted
+        # holding the lock); one int is read atomically
+        self.queued_tokens = 0
 
     def blocks_for(self, seq_or_n, push: bool = False) -> int:
         if isinstance(seq_or_n, Sequence):
@@ -134,6 +138,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.check_fits(seq.num_kv_tokens, seq.streams)
         self.waiting.append(seq)
+        self._publish()
 
     @property
     def num_waiting(self) -> int:
@@ -146,6 +151,9 @@ class Scheduler:
         """Prompt tokens still to compute: the rest of the running prompts and all waiting ones."""
         return (sum(s.num_tokens - s.num_computed for s in self.running)
                 + sum(s.num_tokens for s in self.waiting))
+
+    def _publish(self) -> None:  # after every change to waiting, running or num_computed
+        self.queued_tokens = self.pending_tokens()
 
     def schedule(self) -> tuple[list[Chunk], list[Sequence]]:
         """Returns (chunks to compute this step, sequences that waited longer than max_queue_wait_s
@@ -186,6 +194,7 @@ class Scheduler:
             seq.t_first_scheduled = now
             self.running.append(seq)
             if seq.streams:
+                self._publish()
                 return [Chunk(seq, seq.num_computed, seq.num_tokens)], timed_out
             n = min(budget, seq.num_tokens - seq.num_computed)
             chunks.append(Chunk(seq, seq.num_computed, seq.num_computed + n))
@@ -194,6 +203,7 @@ class Scheduler:
             if now - seq.t_submit > self.max_queue_wait_s and (not seq.streams or self.push_ready(seq.request_id)):
                 self.waiting.remove(seq)
                 timed_out.append(seq)
+        self._publish()
         return chunks, timed_out
 
     def _new_blocks(self, seq: Sequence, num_cached_blocks: int) -> int:
@@ -227,6 +237,7 @@ class Scheduler:
             if c.is_last:
                 self.running.remove(c.seq)
                 done.append(c.seq)
+        self._publish()
         return done
 
     def _name_blocks(self, seq: Sequence) -> None:
@@ -244,6 +255,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self._publish()
         if seq.block_ids:
             self.pool.free(seq.block_ids)
             seq.block_ids = []

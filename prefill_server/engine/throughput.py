@@ -17,7 +17,8 @@ class ThroughputMeter:
         self._tokens = 0.0  # decayed sum of tokens computed
         self._seconds = 0.0  # decayed sum of the steps' wall time
         self._measured = 0.0  # undecayed seconds seen, for the evidence threshold
-        self._lock = threading.Lock()
+        self._rate: float | None = None  # published: read without a lock (admission, any thread)
+        self._lock = threading.Lock()  # (writers)
 
     def record(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or seconds <= 0:
@@ -26,11 +27,10 @@ class ThroughputMeter:
             self._tokens = self._tokens * self._decay + tokens
             self._seconds = self._seconds * self._decay + seconds
             self._measured += seconds
+            if self._measured >= self._min_seconds:
+                self._rate = self._tokens / self._seconds
 
     def tokens_per_s(self) -> float | None:
         """None until ``min_seconds`` of steps have been measured (the engine's warm-up step
         gives the first measurement before any request arrives)."""
-        with self._lock:
-            if self._measured < self._min_seconds or self._seconds <= 0:
-                return None
-            return self._tokens / self._seconds
+        return self._rate

@@ -176,3 +176,40 @@ def test_cpu_threads_are_halved_while_that_is_faster(monkeypatch):
         state["threads"] = 8
         assert build.choose_cpu_threads(lambda n: seconds[state["threads"]], 64) == expected
         assert state["threads"] == expected
+
+
+def test_a_full_queue_is_refused_while_the_compute_thread_holds_the_lock(loaded):
+    """check_admission (the gateway's 429 before it tokenizes) reads the published queue and rate:
+    it answers at once even while the engine's lock is held by the (lower priority) step loop."""
+    import threading
+
+    from prefill_server.errors import Overloaded
+
+    cfg = EngineConfig(dtype="float32", num_kv_blocks=64, block_size=16, token_budget=64)
+    pool = build.make_pool(cfg, loaded)
+    eng = Engine(build.make_runner(loaded, pool), pool, LocalProducer(pool, 30), max_model_len=8192,
+                 vocab_size=loaded.config.vocab_size, token_budget=64, max_num_seqs=8, max_queue_wait_s=1.0)
+    eng.throughput.record(100, 1.0)  # 100 tokens/s; not started: the queue stays
+    eng.check_admission()
+    for i in range(2):  # 200 tokens ahead = 2 s > the 1 s a request may wait
+        eng.submit(PrefillRequest(f"q{i}", tuple(range(1, 101))))
+    held, done = threading.Event(), threading.Event()
+
+    def hold():
+        with eng._wake:
+            held.set()
+            done.wait(10)
+    t = threading.Thread(target=hold)
+    t.start()
+    try:
+        held.wait(5)
+        t0 = time.monotonic()
+        with pytest.raises(Overloaded, match="--max-queue-wait"):
+            eng.check_admission()
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        done.set()
+        t.join()
+    with pytest.raises(Overloaded):  # submit checks again under the lock
+        eng.submit(PrefillRequest("q2", (1, 2, 3)))
+    eng.stop()

@@ -58,3 +58,26 @@ def test_remove_frees_blocks():
     assert pool.num_used == 3
     s.remove(a)
     assert pool.num_used == 0 and not s.has_work()
+
+
+def test_the_queued_tokens_others_read_follow_every_change():
+    """``queued_tokens`` (what admission reads without the engine's lock) equals pending_tokens()
+    after each add, schedule, advance and remove."""
+    pool, s = make()
+    a, b, c = seq("a", 23), seq("b", 5), seq("c", 7)
+
+    def same():
+        assert s.queued_tokens == s.pending_tokens()
+        return s.queued_tokens
+    assert same() == 0
+    s.add(a), s.add(b), s.add(c)
+    assert same() == 35
+    chunks, _ = s.schedule()
+    s.advance(chunks)
+    assert same() == 25
+    s.remove(c)
+    assert same() == 18
+    while s.has_work():
+        s.advance(s.schedule()[0])
+        same()
+    assert same() == 0

