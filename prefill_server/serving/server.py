@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import logging
 import signal
 import socket
@@ -238,6 +239,16 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def freeze_startup_objects() -> None:
+    """Move everything start-up made (the model's modules, the tokenizer's vocabulary, the libraries'
+    objects: ~350K on the embedded model) out of the cyclic collector's reach. A full collection over
+    them took 100-190 ms on the 2-core CPU box, and it runs on whichever thread allocates at the time,
+    the event loop's included: a 429 or a health check that should take milliseconds waited for it.
+    What requests allocate later is collected as before."""
+    gc.collect()
+    gc.freeze()
+
+
 class _Uvicorn(uvicorn.Server):
     """uvicorn without its own signal handling: it re-raises a caught SIGTERM once it has served,
     which ends the process before our cleanup (gRPC drain, engine stop) runs. ``serve`` handles
@@ -300,6 +311,7 @@ def serve(ecfg: EngineConfig, scfg: ServerConfig) -> None:
             while not server.started and not task.done():
                 await asyncio.sleep(0.05)
             if server.started:
+                freeze_startup_objects()
                 url_host = f"[{host}]" if ":" in host else host
                 if grpc_server:
                     print(f"prefill-server gRPC on {url_host}:{grpc_server.port}"
