@@ -13,7 +13,7 @@ gpu_smi_start "$out/smi.csv" 500
 E2E="python3 -m prefill_server.bench.e2e --lengths 8192 --reps 1 --throughput 64x8192 --token-budget 65536 --skip-floor --check-len 0"
 timeout 150 $E2E --quantization none --out "$out/e2e_none.json" 2>&1 | grep -i "throughput\|error" | tail -3
 timeout 200 $E2E --quantization fp8 --profile-throughput 8 --out "$out/e2e_fp8.json" 2>&1 | grep -i "throughput\|profile\|error" | tail -4
-for c in 16384 32768; do
+for c in ${CHUNKS-16384 32768}; do  # CHUNKS="" skips them (a shorter call)
   timeout 150 $E2E --quantization fp8 --chunk-tokens $c --out "$out/e2e_fp8_chunk$c.json" 2>&1 | grep -i "throughput\|error" | tail -2
 done
 gpu_smi_stop
