@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from prompts import all_prompts
-from test_pipeline import ask, BF16_DECODE_ARGS, pipeline, report_dir
+from test_pipeline import ask, BF16_DECODE_ARGS, compare, pipeline, report_dir
 from prefill_server.config import EngineConfig
 from prefill_server.engine import build
 from prefill_server.local_vllm import VllmDecode, vllm_python
@@ -27,14 +27,6 @@ from prefill_server.models.reference_attention import CausalAttention
 
 pytestmark = pytest.mark.e2e
 CONFIDENT = 1.0  # nats: a first token vLLM alone leads by this much is no near-tie
-
-
-def compare(alone: list[tuple[str, float]], ours: list[tuple[str, float]]) -> dict:
-    a, o = [t for t, _ in alone], [t for t, _ in ours]
-    i = next((i for i, (x, y) in enumerate(zip(a, o)) if x != y), None)
-    return {"first_equal": a[0] == o[0], "first_margin_alone": alone[0][1], "identical": i is None,
-            "diverges_at": i, "margin_alone": None if i is None else alone[i][1],
-            "margin_ours": None if i is None else ours[i][1]}
 
 
 def kv_closeness(model_dir: str, prompts) -> dict:

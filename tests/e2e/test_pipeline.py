@@ -246,20 +246,23 @@ def test_cli_serve_prints_address_and_serves(vllm_decode, tmp_path):
         proc.wait(timeout=30)
 
 
+def compare(alone: list[tuple[str, float]], ours: list[tuple[str, float]]) -> dict:
+    """Two answers of ``ask`` side by side: their first tokens and where they part, with each side's
+    top1 - top2 logprob margin there (a near tie flips under any rounding)."""
+    a, o = [t for t, _ in alone], [t for t, _ in ours]
+    i = next((i for i, (x, y) in enumerate(zip(a, o)) if x != y), None)
+    return {"first_token_alone": a[0], "first_token_ours": o[0], "first_equal": a[0] == o[0],
+            "first_margin_alone": alone[0][1], "first_margin_ours": ours[0][1],
+            "identical": i is None, "diverges_at": i,
+            "margin_alone": None if i is None else alone[i][1],
+            "margin_ours": None if i is None else ours[i][1]}
+
+
 def check_bf16(decode: VllmDecode, gw: GatewayThread, report_path: pathlib.Path) -> None:
     """The foundation's bf16 criterion: every first token equal, >= 90% of the 32-token sequences
     equal, each divergence at a near-tie (top1 - top2 logprob margin reported). Writes a JSON report."""
     model = decode.served_model_name()
-    rows = []
-    for p in all_prompts():
-        alone, ours = ask(decode.url, p, model), ask(gw.url, p)
-        a, o = [t for t, _ in alone], [t for t, _ in ours]
-        i = next((i for i, (x, y) in enumerate(zip(a, o)) if x != y), None)
-        rows.append({"prompt": p.name, "first_token_alone": a[0], "first_token_ours": o[0],
-                     "first_margin_alone": alone[0][1], "first_margin_ours": ours[0][1],
-                     "identical": i is None, "diverges_at": i,
-                     "margin_alone": None if i is None else alone[i][1],
-                     "margin_ours": None if i is None else ours[i][1]})
+    rows = [{"prompt": p.name, **compare(ask(decode.url, p, model), ask(gw.url, p))} for p in all_prompts()]
     report = {"identical": sum(r["identical"] for r in rows), "prompts": len(rows), "rows": rows}
     report_path.write_text(json.dumps(report, indent=1))
     print(f"\nbf16: {report['identical']}/{len(rows)} sequences identical (report: {report_path})")
