@@ -110,7 +110,7 @@ class PrefillReplica:
 
     def record_routing_stats(self) -> dict[str, Any]:
         return {"worker": self.id, "node_ip": self.node_ip, "pid": os.getpid(), "gpu_ids": self.gpu_ids,
-                **msg.load_to_dict(self.worker.load()), "alive": self.worker.alive()}
+                **msg.load_to_dict(self.worker.load()), "alive": self.worker.alive(), "reported_at": time.time()}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         return {"queued_tokens": float(self.worker.load().pending_tokens)}

@@ -8,11 +8,14 @@ Policies (``--routing``):
                   The blocks are named as the workers' prefix caches name them (``prefix_cache.
                   block_hashes``: the same salt of model, dtype and block size), and a cache reset
                   makes the router forget them (``forget_prefixes``)
-    round-robin   in turn
+    round-robin   in turn (the worker least recently routed to)
 
 A worker's outstanding tokens are the larger of what this router sent it and has not seen finish,
 and what the worker last reported (``PrefillReplica.record_routing_stats``, pushed by Serve every
-second): the router never polls a worker per request.
+second, stamped ``reported_at``) less the requests this router saw finish there since that report:
+the router never polls a worker per request, and a report a second old does not make an idle worker
+look busy. Ties go to the worker least recently routed to, counted when a request is routed (Serve
+may ask ``choose_replicas`` more than once for one request: a busy replica's queue probe times out).
 
 The caller passes hints in the request dict under ``"_hints"``: ``num_tokens``, ``prefix`` (block
 hashes, ``prefix_hashes``), ``replica`` (this worker only: a release goes where its KV is) and
@@ -25,7 +28,8 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
@@ -35,6 +39,7 @@ from prefill_server.engine.prefix_cache import block_hashes
 
 PREFIX_BLOCKS = 128  # leading blocks hashed for prefix affinity
 _PREFIX_MEMORY = 65536  # block hashes remembered (least recently used forgotten first)
+_FINISHED_MEMORY_S = 30.0  # finished requests kept to discount reports older than them (Serve's: 1 s)
 
 
 def prefix_hashes(token_ids: list[int] | tuple[int, ...], block_size: int, salt: bytes) -> list[str]:
@@ -50,18 +55,31 @@ def hints_of(req: PendingRequest | None) -> dict[str, Any]:
 
 
 class PrefillRouter(RequestRouter):
+    # Serve probes the chosen worker's queue length before sending (ours never fills: the engine
+    # queues and sheds itself) and skips a worker that misses the deadline: at Serve's 0.1 s a
+    # worker slow to answer on a busy CPU can lose its turns to the other. A hung one is the health check's job.
+    queue_len_response_deadline_s = 1.0
+    max_queue_len_response_deadline_s = 5.0
+
     def initialize_state(self, policy: str = "least-tokens", prefix_slack_tokens: int = 16384, **_: Any) -> None:
         self.policy, self.prefix_slack_tokens = policy, prefix_slack_tokens
         self._sent: dict[str, dict[str, int]] = {}  # replica id -> {internal request id: tokens}
         self._prefix: OrderedDict[str, str] = OrderedDict()  # block hash -> replica id
-        self._turn = itertools.count()
+        self._finished: dict[str, deque[tuple[float, int]]] = {}  # replica id -> (time.time(), tokens)
+        self._routed_seq: dict[str, int] = {}  # replica id -> sequence number of its last routed request
+        self._seq = itertools.count()
         self._rng = random.Random()
         routers.LIVE.append(self)
 
     # ---- the view ----
     def outstanding_tokens(self, r: RunningReplica) -> int:
-        sent = sum(self._sent.get(r.replica_id.unique_id, {}).values())
-        return max(sent, int((r.routing_stats or {}).get("pending_tokens", 0)))
+        rid = r.replica_id.unique_id
+        sent = sum(self._sent.get(rid, {}).values())
+        stats = r.routing_stats or {}
+        reported = int(stats.get("pending_tokens", 0))
+        if reported and (at := stats.get("reported_at")) is not None:
+            reported -= sum(n for t, n in self._finished.get(rid, ()) if t >= at)
+        return max(sent, reported)
 
     def running_ids(self) -> set[str]:
         return {rid.unique_id for rid in list(self._replicas)}
@@ -87,7 +105,7 @@ class PrefillRouter(RequestRouter):
 
     def _choose(self, cands: list[RunningReplica], hints: dict[str, Any]) -> RunningReplica:
         if self.policy == "round-robin":
-            return sorted(cands, key=lambda r: r.replica_id.unique_id)[next(self._turn) % len(cands)]
+            return self._least_recent(cands)
         if self.policy == "p2c" and len(cands) > 2:
             cands = self._rng.sample(cands, 2)
         least = self._least(cands)
@@ -98,8 +116,10 @@ class PrefillRouter(RequestRouter):
 
     def _least(self, cands: list[RunningReplica]) -> RunningReplica:
         low = min(self.outstanding_tokens(r) for r in cands)
-        ties = sorted((r for r in cands if self.outstanding_tokens(r) == low), key=lambda r: r.replica_id.unique_id)
-        return ties[next(self._turn) % len(ties)]
+        return self._least_recent([r for r in cands if self.outstanding_tokens(r) == low])
+
+    def _least_recent(self, cands: list[RunningReplica]) -> RunningReplica:
+        return min(cands, key=lambda r: (self._routed_seq.get(r.replica_id.unique_id, -1), r.replica_id.unique_id))
 
     def _holder(self, cands: list[RunningReplica], hashes: list[str]) -> RunningReplica | None:
         """The candidate that took the longest run of these leading blocks."""
@@ -116,6 +136,7 @@ class PrefillRouter(RequestRouter):
         hints = hints_of(pending_request)
         rid = replica_id.unique_id
         self._sent.setdefault(rid, {})[pending_request.metadata.internal_request_id] = int(hints.get("num_tokens", 0))
+        self._routed_seq[rid] = next(self._seq)
         for h in hints.get("prefix") or ():
             self._prefix[h] = rid
             self._prefix.move_to_end(h)
@@ -127,8 +148,15 @@ class PrefillRouter(RequestRouter):
         self._prefix.clear()
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
-        self._sent.get(replica_id.unique_id, {}).pop(internal_request_id, None)
+        tokens = self._sent.get(replica_id.unique_id, {}).pop(internal_request_id, None)
+        if tokens:
+            now = time.time()  # wall clock: compared with the worker's reported_at, maybe on another node
+            done = self._finished.setdefault(replica_id.unique_id, deque())
+            done.append((now, tokens))
+            while done and done[0][0] < now - _FINISHED_MEMORY_S:
+                done.popleft()
 
     def on_replica_actor_died(self, replica_id) -> None:
         super().on_replica_actor_died(replica_id)
-        self._sent.pop(replica_id.unique_id, None)
+        for book in (self._sent, self._finished, self._routed_seq):
+            book.pop(replica_id.unique_id, None)

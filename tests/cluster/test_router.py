@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -73,8 +74,34 @@ def test_completed_requests_stop_counting_and_ties_take_turns():
     first = route(router, [a, b], req)
     router.on_request_completed(SimpleNamespace(unique_id=first), req.metadata.internal_request_id)
     assert router.outstanding_tokens(a) == router.outstanding_tokens(b) == 0
-    picks = [choose(router, [a, b], pending(1)) for _ in range(4)]
-    assert sorted(picks) == ["a", "a", "b", "b"]
+    picks = [route(router, [a, b], pending(1)) for _ in range(4)]
+    assert sorted(picks) == ["a", "a", "b", "b"] and picks[0] != first
+
+
+def test_a_turn_is_taken_when_a_request_is_routed_not_when_serve_asks():
+    """Serve asks again when a queue probe times out: asking twice must not skip a worker."""
+    router = make_router("least-tokens")
+    a, b = Replica("a"), Replica("b")
+    picks = []
+    for _ in range(6):
+        choose(router, [a, b], pending(1))  # asked, then not routed
+        picks.append(route(router, [a, b], pending(1)))
+    assert sorted(picks) == ["a"] * 3 + ["b"] * 3
+
+
+def test_a_report_older_than_a_finished_request_does_not_count_it():
+    router = make_router("least-tokens")
+    a, b = Replica("a"), Replica("b")
+    req = pending(5000)
+    first = route(router, [a, b], req)
+    busy = a if first == "a" else b
+    busy.routing_stats = {"pending_tokens": 5000, "reported_at": time.time() - 0.5}  # taken while it ran
+    router.on_request_completed(SimpleNamespace(unique_id=first), req.metadata.internal_request_id)
+    assert router.outstanding_tokens(busy) == 0
+    busy.routing_stats = {"pending_tokens": 7000, "reported_at": time.time() - 0.5}  # others' 2000 remain
+    assert router.outstanding_tokens(busy) == 2000
+    busy.routing_stats = {"pending_tokens": 5000, "reported_at": time.time() + 1}  # newer: counts whole
+    assert router.outstanding_tokens(busy) == 5000
 
 
 def test_p2c_never_picks_the_busiest_of_three():
