@@ -59,7 +59,7 @@ class PrefillRouter(RequestRouter):
     # queues and sheds itself) and skips a worker that misses the deadline: at Serve's 0.1 s a
     # worker slow to answer on a busy CPU can lose its turns to the other. A hung one is the health check's job.
     queue_len_response_deadline_s = 1.0
-    max_queue_len_response_deadline_s = 5.0
+    max_queue_len_response_deadline_s = 2.0
 
     def initialize_state(self, policy: str = "least-tokens", prefix_slack_tokens: int = 16384, **_: Any) -> None:
         self.policy, self.prefix_slack_tokens = policy, prefix_slack_tokens
