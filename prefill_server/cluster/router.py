@@ -39,7 +39,7 @@ from prefill_server.engine.prefix_cache import block_hashes
 
 PREFIX_BLOCKS = 128  # leading blocks hashed for prefix affinity
 _PREFIX_MEMORY = 65536  # block hashes remembered (least recently used forgotten first)
-_FINISHED_MEMORY_S = 30.0  # finished requests kept to discount reports older than them (Serve's: 1 s)
+_FINISHED_MEMORY_S = 10.0  # finished requests kept to discount reports taken before them (pushed every 1 s)
 
 
 def prefix_hashes(token_ids: list[int] | tuple[int, ...], block_size: int, salt: bytes) -> list[str]:
