@@ -122,18 +122,24 @@ def main():
     ap.add_argument("--rounds", default="3", help="interleaved timing rounds at the first length, one number or "
                     "one per density (3,2,2)")
     ap.add_argument("--variants", default="", help="indices into VARIANTS (default: all; keep 0, the baseline)")
+    ap.add_argument("--extra", action="append", default=[], help="one more variant, its KEYS comma-separated "
+                    "(grid,4,64,64,16,2,128,1,1,2,1,1); repeatable")
+    ap.add_argument("--densities", default="", help="the fixed-mask densities, lowest first (default 0.02,0.05,0.1)")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
-    global SMOKE, DTYPE, time_ms, VARIANTS
+    global SMOKE, DTYPE, time_ms, VARIANTS, DENSITIES
     if args.variants:
         VARIANTS = [VARIANTS[int(i)] for i in args.variants.split(",")]
+    VARIANTS = VARIANTS + [tuple(x if j == 0 else int(x) for j, x in enumerate(e.split(","))) for e in args.extra]
+    if args.densities:
+        DENSITIES = tuple(float(x) for x in args.densities.split(","))
     rounds = [int(x) for x in args.rounds.split(",")]
     rounds += [rounds[-1]] * (len(DENSITIES) - len(rounds))
     if args.smoke:
         SMOKE, DTYPE, args.no_flex = True, torch.float16, True
         import sys
-        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests", "kernels"))
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "tests", "kernels"))
         import conftest  # noqa: F401 (the interpreter's NumPy >= 2.4 fix)
         time_ms = _host_time_ms
     dev = torch.device("cpu" if SMOKE else "cuda")
