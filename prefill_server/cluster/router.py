@@ -115,8 +115,9 @@ class PrefillRouter(RequestRouter):
         return least
 
     def _least(self, cands: list[RunningReplica]) -> RunningReplica:
-        low = min(self.outstanding_tokens(r) for r in cands)
-        return self._least_recent([r for r in cands if self.outstanding_tokens(r) == low])
+        loads = [self.outstanding_tokens(r) for r in cands]  # (each sums the worker's recent finishes)
+        low = min(loads)
+        return self._least_recent([r for r, n in zip(cands, loads) if n == low])
 
     def _least_recent(self, cands: list[RunningReplica]) -> RunningReplica:
         return min(cands, key=lambda r: (self._routed_seq.get(r.replica_id.unique_id, -1), r.replica_id.unique_id))
