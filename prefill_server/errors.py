@@ -83,7 +83,16 @@ class TransferError(PrefillError):
 
 
 class WorkerLost(PrefillError):
-    """The prefill worker holding the request died (the pool replaces it): retry the request."""
+    """The prefill worker holding the request died or stopped answering (the pool replaces it):
+    retry the request."""
+
+    http_status = 503
+    grpc_code = "UNAVAILABLE"
+
+
+class NoWorker(PrefillError):
+    """No prefill worker is running (all starting, or waiting for resources) and none came within
+    --max-queue-wait: retry later."""
 
     http_status = 503
     grpc_code = "UNAVAILABLE"

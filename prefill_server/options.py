@@ -114,7 +114,8 @@ OPTIONS: tuple[Option, ...] = (
     _opt("--max-queue-wait", "engine", "engine.max_queue_wait_s", "seconds a request may wait to start. One "
          "that waited longer fails: 503 if free KV blocks were short (held by running prompts and unread "
          "leases), 429 if compute was; and once the engine has measured its throughput, a request that the "
-         "queued prompt tokens would hold up longer is refused at once with 429 and Retry-After",
+         "queued prompt tokens would hold up longer is refused at once with 429 and Retry-After. In a pool "
+         "(--workers), also the longest a request waits for a worker to run (then 503)",
          type=float, metavar="SECONDS"),
     _opt("--lease-ttl", "engine", "engine.lease_ttl_s",
          "seconds finished KV is held for the decode (heartbeats extend it)", type=float, metavar="SECONDS"),

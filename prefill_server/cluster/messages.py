@@ -7,6 +7,7 @@ A worker's ``run(request)`` streams events, each a dict with ``"event"``:
     accepted   {"worker": id}                     the worker took the request (release goes there)
     params     {"params": {...}}                  route STREAM: kv_transfer_params for the decode, at once
     progress   {"state": "queued"|"running", "requests_ahead": n, "tokens_done": n}
+    alive      {}                                 nothing new, the worker is there (a heartbeat)
     result     {"result": {...}}                  the PrefillResult; the stream ends
     error      {"kind": class name, "message", "field", "retry_after_s"}; the stream ends
 """

@@ -8,10 +8,14 @@ this process (``engine/worker.py``), answered by whichever worker the router pic
     start_stream(req)  (future of kv_transfer_params, future of the result)
     release(rid)       to the worker that holds the request (cancel, or end its lease)
 
-Recovery: a worker that dies is replaced by Serve. A request on it fails with ``WorkerLost`` (503),
-or is run once more on another worker when the decode was told nothing yet (a LEASE request before
-its result; a STREAM request before its params went out). Its leases die with it. A worker being
-removed (``set_workers``, autoscaling, a rolling update) first finishes what it holds.
+Recovery: a worker that dies is replaced by Serve (one that hangs too: its health check fails). A
+request on it fails with ``WorkerLost`` (503), or is run once more on another worker when the decode
+was told nothing yet (a LEASE request before its result; a STREAM request before its params went
+out). Its leases die with it. A worker counts as lost for a request when Ray says it died, when it
+sent no event for ``WORKER_SILENT_S`` (it sends one every second while it lives), or when it did not
+take the request within ``ACCEPT_S``. A request no worker takes within --max-queue-wait, because none
+is running, fails with ``NoWorker`` (503). A worker being removed (``set_workers``, autoscaling, a
+rolling update) first finishes what it holds.
 
 Calls to Ray run on this object's own event loop thread, so callers on any thread get
 ``concurrent.futures.Future``s (the engine's contract) and cancelling one cancels the request.
@@ -36,13 +40,19 @@ from prefill_server.config import EngineConfig, PoolConfig, ServerConfig
 from prefill_server.engine import build
 from prefill_server.engine.types import PrefillRequest, WorkerLoad
 from prefill_server.engine.worker import Progress, context_len
-from prefill_server.errors import PrefillError, WorkerLost
+from prefill_server.errors import NoWorker, PrefillError, WorkerLost
 from prefill_server.metrics import Metrics
 
 log = logging.getLogger(__name__)
 APP, DEPLOYMENT = "prefill", "PrefillReplica"
 START_TIMEOUT_S = 900.0  # the first worker loads its model (minutes for a large one on a GPU)
 CALL_TIMEOUT_S = 10.0  # a control call (release, metrics, info) to one worker
+# a worker sends an event at least every replica.HEARTBEAT_S while it lives: one silent this long is
+# hung (or gone without Ray noticing yet), and its requests are treated as on a dead worker
+WORKER_SILENT_S = 30.0
+# a running worker takes a request at once; one sent to a hung worker (Serve reserves a slot there
+# first, and that call never returns) is taken back after this long and sent elsewhere
+ACCEPT_S = 10.0
 _LEASES_REMEMBERED = 100_000  # request id -> worker, for release; far longer than any lease lives
 
 
@@ -162,19 +172,35 @@ class RayPool:
         return params, result
 
     async def _run(self, req: PrefillRequest, params: Future | None):
-        """One request's events from its worker. A worker lost before the decode was told anything
-        (no params sent) gets the request run once more on another worker."""
+        """One request's events from its worker; a worker lost before the decode was told anything
+        (no params sent) gets the request run once more on another (see the module's Recovery)."""
         from ray.exceptions import RayActorError
 
         body = msg.request_to_dict(req)
         hints: dict[str, Any] = {"num_tokens": len(req.prompt_token_ids)}
         if self.config.routing == "prefix":
             hints["prefix"] = prefix_hashes(req.prompt_token_ids, self.block_size, self.cache_salt)
+        accept_s = self.spec.engine.max_queue_wait_s
         worker = None
         for attempt in (1, 2):
             gen = self._handle.options(stream=True).run.remote({**body, "_hints": hints})
+            events, nxt, sent = gen.__aiter__(), None, time.monotonic()
             try:
-                async for ev in gen:
+                while True:
+                    nxt = asyncio.ensure_future(events.__anext__())
+                    while not (await asyncio.wait({nxt}, timeout=WORKER_SILENT_S if worker else ACCEPT_S))[0]:
+                        if worker is None and not self._running_ids() and time.monotonic() - sent < accept_s:
+                            continue  # no worker runs yet: Serve holds the request until one does
+                        _abandon(nxt, gen)
+                        if worker is None and not self._running_ids():
+                            raise NoWorker(f"no prefill worker took the request within --max-queue-wait {accept_s:g} "
+                                           "s (none is running): retry later", retry_after_s=5.0)
+                        raise _WorkerSilent(worker)
+                    try:
+                        ev = nxt.result()
+                    except StopAsyncIteration:
+                        raise WorkerLost(f"prefill worker {worker} ended request {req.request_id} without a "
+                                         "result; retry") from None
                     kind = ev["event"]
                     if kind == "accepted":
                         worker = ev["worker"]
@@ -188,17 +214,20 @@ class RayPool:
                         return msg.result_from_dict(ev["result"])
                     elif kind == "error":
                         raise msg.error_from_event(ev)
-                raise WorkerLost(f"prefill worker {worker} ended request {req.request_id} without a result")
-            except RayActorError as e:
-                told = params is not None and params.done()
-                if attempt == 2 or told:
-                    raise WorkerLost(f"prefill worker {worker or '?'} died while computing this request "
-                                     f"({type(e).__name__}); the pool replaces it: retry") from None
-                log.warning("pool: worker %s died with request %s queued or running; running it on another",
-                            worker, req.request_id)
+            except (RayActorError, _WorkerSilent) as e:
+                if isinstance(e, RayActorError):
+                    how = f"prefill worker {worker or '?'} died while computing this request ({type(e).__name__})"
+                elif worker is None:
+                    how = f"the prefill worker this request went to did not take it within {ACCEPT_S:g} s"
+                else:
+                    how = f"prefill worker {worker} sent nothing for {WORKER_SILENT_S:g} s while computing this request"
+                if attempt == 2 or (params is not None and params.done()):
+                    raise WorkerLost(f"{how}; the pool replaces it: retry") from None
+                log.warning("pool: %s (%s): running it on another", how, req.request_id)
                 hints["avoid"] = [worker] if worker else []
+                worker = None
             except asyncio.CancelledError:
-                gen.cancel()  # the worker cancels the request and frees its blocks
+                _abandon(nxt, gen)  # the worker cancels the request and frees its blocks
                 raise
             finally:
                 self._progress.pop(req.request_id, None)
@@ -307,6 +336,18 @@ class RayPool:
         return asyncio.run_coroutine_threadsafe(asyncio.wait_for(call(), timeout_s), self._loop).result(timeout_s + 1)
 
 
+class _WorkerSilent(Exception):
+    """The worker holding a request sent nothing for WORKER_SILENT_S (or none took it in ACCEPT_S)."""
+
+
+def _abandon(nxt: asyncio.Future | None, gen) -> None:
+    """Stop waiting on a worker's stream and cancel the request there (if it can still hear)."""
+    if nxt is not None:
+        nxt.add_done_callback(lambda f: f.cancelled() or f.exception())  # it ends RequestCancelledError
+        nxt.cancel()
+    gen.cancel()
+
+
 def _quietly(f, *args) -> None:
     try:
         f(*args)
@@ -345,7 +386,8 @@ def deployment(spec: ReplicaSpec, gpus: float, num_workers: int):
         name=DEPLOYMENT, ray_actor_options={"num_cpus": c.worker_cpus, "num_gpus": gpus},
         placement_group_bundles=[bundle], placement_group_strategy="STRICT_PACK",
         max_ongoing_requests=100_000,  # the engine queues and sheds (429) itself
-        health_check_period_s=2.0, health_check_timeout_s=30.0,
+        # a hung worker fails three checks in a row (~30 s), then gets the graceful stop's timeout
+        health_check_period_s=2.0, health_check_timeout_s=10.0,
         graceful_shutdown_wait_loop_s=1.0, graceful_shutdown_timeout_s=scfg.drain_timeout_s + 5.0,
         request_router_config=RequestRouterConfig(
             request_router_class=PrefillRouter,

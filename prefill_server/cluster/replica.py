@@ -29,7 +29,13 @@ from prefill_server.errors import PrefillError
 
 log = logging.getLogger(__name__)
 PROGRESS_INTERVAL_S = 0.25  # how often a waiting request reports where it is
+HEARTBEAT_S = 1.0  # the longest a request's stream goes without an event while the worker lives
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _retrieve(f: asyncio.Future) -> None:
+    if not f.cancelled():
+        f.exception()
 
 
 @dataclass(frozen=True)
@@ -59,16 +65,23 @@ class PrefillReplica:
         log.info("prefill worker %s ready on %s (GPUs %s)", self.id, self.node_ip, self.gpu_ids or "none")
 
     async def run(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """One request's events (messages.py). A caller that goes away (the stream is cancelled)
-        cancels the request here: its blocks are freed at once."""
+        """One request's events (messages.py), one at least every ``HEARTBEAT_S`` (the gateway takes
+        a worker silent for longer than ``pool.WORKER_SILENT_S`` as lost). A caller that goes away
+        (the stream is cancelled) cancels the request here: its blocks are freed at once."""
         req = msg.request_from_dict(request)
         yield {"event": "accepted", "worker": self.id}
-        ended = False
+        ended, waits = False, []
         try:
             try:
                 if req.route is Route.STREAM:
                     params, result = self.worker.start_stream(req)
-                    yield {"event": "params", "params": await asyncio.wrap_future(params)}
+                    pending = asyncio.wrap_future(params)
+                    waits.append(pending)
+                    while not pending.done():
+                        await asyncio.wait([pending], timeout=HEARTBEAT_S)
+                        if not pending.done():
+                            yield {"event": "alive"}
+                    yield {"event": "params", "params": pending.result()}
                 else:
                     result = self.worker.submit(req)
             except PrefillError as e:
@@ -76,13 +89,17 @@ class PrefillReplica:
                 yield msg.error_event(e)
                 return
             fut = asyncio.wrap_future(result)
-            last = None
+            waits.append(fut)
+            last, last_sent = None, time.monotonic()
             while not fut.done():
                 await asyncio.wait([fut], timeout=PROGRESS_INTERVAL_S)
                 p = None if fut.done() else self.worker.progress(req.request_id)
                 if p is not None and p != last:
-                    last = p
+                    last, last_sent = p, time.monotonic()
                     yield msg.progress_event(p)
+                elif not fut.done() and time.monotonic() - last_sent >= HEARTBEAT_S:
+                    last_sent = time.monotonic()
+                    yield {"event": "alive"}
             ended = True
             if fut.exception() is not None:
                 yield msg.error_event(fut.exception())
@@ -91,6 +108,8 @@ class PrefillReplica:
         finally:
             if not ended:
                 self.worker.release(req.request_id)
+                for w in waits:  # it ends RequestCancelled now, with no one left to read it
+                    w.add_done_callback(_retrieve)
 
     def release(self, request: dict[str, Any]) -> bool:
         return self.worker.release(str(request["request_id"]))

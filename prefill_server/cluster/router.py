@@ -17,6 +17,9 @@ the router never polls a worker per request, and a report a second old does not 
 look busy. Ties go to the worker least recently routed to, counted when a request is routed (Serve
 may ask ``choose_replicas`` more than once for one request: a busy replica's queue probe times out).
 
+A worker whose last report is older than ``SILENT_S`` (hung: Serve's calls to it never return) is
+ranked after every answering one, so new requests go around it until its health check removes it.
+
 The caller passes hints in the request dict under ``"_hints"``: ``num_tokens``, ``prefix`` (block
 hashes, ``prefix_hashes``), ``replica`` (this worker only: a release goes where its KV is) and
 ``avoid`` (workers not to use: a retry after one died).
@@ -40,6 +43,7 @@ from prefill_server.engine.prefix_cache import block_hashes
 PREFIX_BLOCKS = 128  # leading blocks hashed for prefix affinity
 _PREFIX_MEMORY = 65536  # block hashes remembered (least recently used forgotten first)
 _FINISHED_MEMORY_S = 10.0  # finished requests kept to discount reports taken before them (pushed every 1 s)
+SILENT_S = 5.0  # a worker's report this old: it is hung, or starved (Serve asks every second)
 
 
 def prefix_hashes(token_ids: list[int] | tuple[int, ...], block_size: int, salt: bytes) -> list[str]:
@@ -87,7 +91,7 @@ class PrefillRouter(RequestRouter):
     def workers(self) -> list[dict[str, Any]]:
         """Each running worker: its id, node and last reported load."""
         return [{"worker": r.replica_id.unique_id, "node_id": r.node_id, "outstanding_tokens": self.outstanding_tokens(r),
-                 "requests_routed_here": len(self._sent.get(r.replica_id.unique_id, {})),
+                 "requests_routed_here": len(self._sent.get(r.replica_id.unique_id, {})), "answering": not self.silent(r),
                  "stats": dict(r.routing_stats or {})} for r in list(self._replicas.values())]
 
     # ---- choosing ----
@@ -98,10 +102,18 @@ class PrefillRouter(RequestRouter):
             return [[r for r in candidate_replicas if r.replica_id.unique_id == want]]
         avoid = set(hints.get("avoid") or ())
         cands = [r for r in candidate_replicas if r.replica_id.unique_id not in avoid] or list(candidate_replicas)
-        if not cands:
-            return []
-        best = self._choose(cands, hints)
-        return [[best], [r for r in cands if r is not best]]
+        answering = [r for r in cands if not self.silent(r)]
+        if not answering:
+            return [cands] if cands else []
+        best = self._choose(answering, hints)
+        ranks = [[best], [r for r in answering if r is not best], [r for r in cands if r not in answering]]
+        return [rank for rank in ranks if rank]
+
+    def silent(self, r: RunningReplica) -> bool:
+        """No load report from this worker for ``SILENT_S`` (a hung worker: Serve's calls to it never
+        return, so a request sent there waits until the health check removes it)."""
+        at = (r.routing_stats or {}).get("reported_at")
+        return at is not None and time.time() - at > SILENT_S
 
     def _choose(self, cands: list[RunningReplica], hints: dict[str, Any]) -> RunningReplica:
         if self.policy == "round-robin":

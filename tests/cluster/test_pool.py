@@ -5,6 +5,7 @@ client that hangs up frees its worker's blocks, and a worker SIGKILLed under loa
 clearly (or retries them), comes back within 30 s, and every pool ends empty."""
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import pathlib
 import re
@@ -21,6 +22,7 @@ import pytest
 pytest.importorskip("ray.serve")
 pytestmark = pytest.mark.timeout(900)
 EXE = str(pathlib.Path(sys.executable).parent / "prefill-server")
+SERVER_LOG: pathlib.Path | None = None  # the pool's log; conftest.py attaches its tail to a failure
 
 
 def per_worker(url: str, family: str, labels: str = "") -> dict[str, float]:
@@ -48,7 +50,8 @@ def blocks_in_use(url: str) -> float:
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
-    log = tmp_path_factory.mktemp("pool") / "serve.log"
+    global SERVER_LOG
+    log = SERVER_LOG = tmp_path_factory.mktemp("pool") / "serve.log"
     proc = subprocess.Popen([EXE, "serve", "--transfer-mode", "local", "--workers", "2", "--port", "0", "--dtype", "float32",
                              "--kv-cache-gib", "0.5", "--warm-up-tokens", "64", "--max-queue-wait", "300",
                              "--token-budget", "512"],
@@ -121,11 +124,9 @@ def test_a_client_that_hangs_up_frees_its_workers_blocks(pool):
     assert complete(pool, "Still there?").status_code == 200
 
 
-def test_a_worker_killed_under_load(pool):
-    """50 requests, 8 at a time; one worker SIGKILLed after ten: every request ends (200, or a 503
-    naming the lost worker) well before its deadline, the survivor serves on (a request succeeds
-    within 30 s of the kill), Serve replaces the dead worker, and both end with no blocks in use."""
-    victim = workers(pool)[0]["stats"]["pid"]
+def under_load(pool: str, fault) -> tuple[list[tuple[int, str, float]], list[float], float]:
+    """50 requests, 8 at a time; ``fault()`` once ten have ended. Returns (status, body, seconds) of
+    each, when each 200 ended, and when the fault came (monotonic)."""
     results: list[tuple[int, str, float]] = []
     ended_ok: list[float] = []
 
@@ -136,21 +137,54 @@ def test_a_worker_killed_under_load(pool):
         if r.status_code == 200:
             ended_ok.append(time.monotonic())
 
-    with ThreadPoolExecutor(8) as ex:
+    ex = ThreadPoolExecutor(8)
+    try:
         futs = [ex.submit(one, i) for i in range(50)]
         assert wait_for(lambda: len(results) >= 10, 300, 0.1)
-        os.kill(victim, signal.SIGKILL)
-        killed_at = time.monotonic()
+        fault()
+        fault_at = time.monotonic()
+        _, hung = concurrent.futures.wait(futs, timeout=240)
+        assert not hung, (f"{len(hung)} requests had not ended 240 s after the fault (each waits 120 s at most): "
+                          f"ended {[(c, round(s, 1)) for c, _, s in results]}, pool {workers(pool)}")
         for f in futs:
             f.result()
+    finally:
+        ex.shutdown(wait=False, cancel_futures=True)  # a failure above does not wait for every request
+    return results, ended_ok, fault_at
+
+
+def assert_all_ended_and_the_pool_recovers(pool: str, victim: int, results, ended_ok, fault_at) -> None:
     codes = [c for c, _, _ in results]
     assert len(results) == 50 and set(codes) <= {200, 503}, [(c, t[:200]) for c, t, _ in results if c not in (200, 503)]
     for code, text, _ in results:
         if code == 503:
             assert "worker" in text and "retry" in text, text
     assert max(s for _, _, s in results) < 100
-    assert min(t for t in ended_ok if t > killed_at) - killed_at < 30, "nothing served within 30 s of the kill"
-    # Serve replaces the dead worker (its model loads in ~30-60 s on this 2-core box)
+    assert min(t for t in ended_ok if t > fault_at) - fault_at < 30, "nothing served within 30 s of the fault"
+    # Serve replaces the lost worker (its model loads in ~30-60 s on this 2-core box)
     assert wait_for(lambda: len(workers(pool)) == 2 and victim not in {w["stats"].get("pid") for w in workers(pool)},
                     180), workers(pool)
     assert wait_for(lambda: blocks_in_use(pool) == 0, 30), per_worker(pool, "prefill_server:kv_blocks_in_use")
+
+
+def test_a_worker_killed_under_load(pool):
+    """One worker SIGKILLed under load: every request ends (200, or a 503 naming the lost worker) well
+    before its deadline, the survivor serves on (a request succeeds within 30 s of the kill), Serve
+    replaces the dead worker, and both end with no blocks in use."""
+    victim = workers(pool)[0]["stats"]["pid"]
+    assert_all_ended_and_the_pool_recovers(pool, victim, *under_load(pool, lambda: os.kill(victim, signal.SIGKILL)))
+
+
+def test_a_worker_that_hangs_under_load(pool):
+    """One worker SIGSTOPped under load (a wedged worker: Ray sees no death, its calls just never
+    answer): its requests are run again elsewhere (or end 503) once it has been silent for
+    pool.WORKER_SILENT_S, the other serves on, its failed health check gets it replaced, and the pool
+    ends empty."""
+    victim = workers(pool)[0]["stats"]["pid"]
+    try:
+        assert_all_ended_and_the_pool_recovers(pool, victim, *under_load(pool, lambda: os.kill(victim, signal.SIGSTOP)))
+    finally:
+        try:
+            os.kill(victim, signal.SIGCONT)
+        except ProcessLookupError:
+            pass

@@ -1,6 +1,7 @@
 """The pool's request router (cluster/router.py) on stand-ins for Serve's running replicas: each
 policy picks as documented, outstanding tokens are the larger of what the router sent and what the
-worker reported, a release goes to the worker named, a retry avoids the worker that died."""
+worker reported, a release goes to the worker named, a retry avoids the worker that died, and a
+worker that stopped reporting is tried last."""
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +15,7 @@ import pytest
 pytest.importorskip("ray.serve")
 
 from prefill_server.cluster import routers  # noqa: E402
-from prefill_server.cluster.router import PrefillRouter, prefix_hashes  # noqa: E402
+from prefill_server.cluster.router import SILENT_S, PrefillRouter, prefix_hashes  # noqa: E402
 
 
 @dataclass
@@ -174,3 +175,22 @@ def test_a_named_replica_and_an_avoided_one():
     assert asyncio.run(router.choose_replicas([a], pending(replica="b"))) == [[]]  # gone: nowhere
     assert choose(router, [a, b], pending(1, avoid=["a"])) == "b"
     assert choose(router, [a], pending(1, avoid=["a"])) == "a"  # all avoided: any
+
+
+@pytest.mark.parametrize("policy", ["least-tokens", "p2c", "prefix", "round-robin"])
+def test_a_worker_whose_reports_stopped_is_tried_last(policy):
+    """A hung worker's last report grows old (Serve asks every second): it looks idle, but a request
+    sent there would wait until its health check removes it, so every answering worker comes first."""
+    router = make_router(policy)
+    now = time.time()
+    hung = Replica("a", {"pending_tokens": 0, "reported_at": now - SILENT_S - 1})
+    busy = Replica("b", {"pending_tokens": 10**6, "reported_at": now})
+    fresh = Replica("c")  # no report yet: a worker just started
+    for _ in range(4):
+        ranks = asyncio.run(router.choose_replicas([hung, busy, fresh], pending(1)))
+        assert [r.name for r in ranks[-1]] == ["a"] and "a" not in {r.name for rank in ranks[:-1] for r in rank}
+        router.on_request_routed(pending(1), SimpleNamespace(unique_id=ranks[0][0].name), None)
+    router._replicas = {r.name: r for r in (hung, busy, fresh)}
+    assert {w["worker"]: w["answering"] for w in router.workers()} == {"a": False, "b": True, "c": True}
+    only = asyncio.run(router.choose_replicas([hung], pending(1)))
+    assert [[r.name for r in rank] for rank in only] == [["a"]]  # none answers: still tried
