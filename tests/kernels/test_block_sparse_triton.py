@@ -190,3 +190,33 @@ def test_gpu_full_size(dtype, q_lens, k_lens, mode):
     o2, l2 = ref.attention(q, k, v, lay, sel)
     assert rel_l2(o, o2) < TOL[dtype]
     assert (l - l2).abs().max() < 1e-2
+
+
+@pytest.mark.parametrize("vdtype", [torch.float32, torch.float16,
+                                    pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dense,fixm", [(True, 1), (True, 0), (False, 1)])
+def test_fp8_scores_match_the_dequantized_reference(triton_device, vdtype, dense, fixm):
+    """q and k as e4m3 codes with per-tensor scales, v in 16/32 bits: the kernel computes exactly
+    the attention of the dequantized q and k (the fp8 products are exact in fp32 accumulation), and
+    that is within fp8's rounding of the full-precision result."""
+    from prefill_server.kernels.block_sparse import kernel
+    bs = 32
+    q, k, v, cu_q, cu_k = batch([70, 33, 40], [150, 33, 300], 8, 2, 64, bs, device=triton_device)
+    q8, sq = kernel.quantize_e4m3(q)
+    k8, sk = kernel.quantize_e4m3(k)
+    assert q8.dtype == k8.dtype == torch.float8_e4m3fn
+    lay = build_layout(cu_q, cu_k, q.shape[0], k.shape[0], bs)
+    sel = (torch.rand(lay.n_slots, 2, lay.max_kblocks, generator=torch.Generator().manual_seed(3)) < 0.5)
+    sel = torch.ones_like(sel) if dense else sel
+    p = plan_from_mask(sel.to(triton_device), lay, SparseConfig(block_size=bs, backend="triton"))
+    vv = v.to(vdtype)
+    out = torch.full(q.shape, float("nan"), dtype=vdtype, device=triton_device)
+    o, l = kernel.attention(q8, k8, vv, lay, p.idx, p.cnt, dense=dense, mode="grid", bn=32, fixm=fixm,
+                            qk_descale=sq * sk, out=out)
+    assert o.dtype == vdtype and not torch.isnan(o).any()
+    o_deq, l_deq = brute_force(q8.float() * sq, k8.float() * sk, vv.float(), cu_q, cu_k, sel, bs)
+    tol = TOL[torch.float16] if o.is_cuda and vdtype == torch.float32 else TOL[vdtype]  # (tf32 p @ v)
+    assert rel_l2(o, o_deq) < tol
+    assert (l.double().cpu() - l_deq).abs().max() < 1e-3
+    o_full, _ = brute_force(q.float(), k.float(), v.float(), cu_q, cu_k, sel, bs)
+    assert rel_l2(o, o_full) < 0.05  # e4m3 keeps 3 mantissa bits: scores off by a few percent

@@ -4,7 +4,7 @@ Work item: TOK query tokens x GP query heads of one KV head's group (M = TOK * G
 token r // GP, head r % GP), so each K/V tile loaded serves GP heads at once. An item walks the key
 blocks listed for its query block (``idx[slot, kvh, :cnt[slot, kvh]]``, ascending, all wholly before
 the block's first query: no mask), then the diagonal region with the causal mask. Online softmax in
-base 2; writes out (q.dtype) and LSE (float32, natural log) [Tq, Hq]. Options of the grid scheme's
+base 2; writes out (v.dtype) and LSE (float32, natural log) [Tq, Hq]. Options of the grid scheme's
 off-diagonal loop: ``FMA`` (running max kept in scaled units, so ``s * scale - m`` is one FMA),
 ``KVLOAD`` (0: per-element pointers, 1: scalar tile base + invariant offsets, 2: TMA descriptors);
 of its epilogue: ``RCP`` (one reciprocal per row instead of a division per element); ``FIXM``: the
@@ -316,6 +316,14 @@ def _attn_fwd_persistent(Q, K, V, O, LSE, CU_Q, CU_K, SLOT_SEQ, SLOT_QBLK, IDX, 
         local += 1
 
 
+def quantize_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """float8 e4m3 codes of ``x`` with one scale for the tensor (its max magnitude maps to 448, the
+    largest e4m3 value): x ~= codes * scale. For ``attention``'s FP8 scores (qk_descale = scale_q *
+    scale_k); the scale comes to the host (one sync)."""
+    scale = float(x.abs().amax().float().clamp(min=1e-12)) / 448.0
+    return (x.float() / scale).to(torch.float8_e4m3fn), scale
+
+
 def _tma_ok(x: torch.Tensor, bn: int) -> bool:
     """K/V [Tk, Hkv, D] viewable as a 2-D TMA tensor [Tk, Hkv * D]: heads packed, 16-byte aligned."""
     e = x.element_size()
@@ -371,13 +379,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, idx: to
               maxnreg: int | None = None, ctas_per_sm: int | None = None, nprog: int | None = None,
               fma: bool | None = None, kvload: int | None = None, ws: bool | None = None,
               rcp: bool | None = None, fixm: bool | None = None, sched_cache: dict | None = None, sched=None,
-              out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+              out: torch.Tensor | None = None, lse: torch.Tensor | None = None, qk_descale: float = 1.0):
     """Launch the kernel. ``idx`` int32 [n_slots, Hkv, cap] / ``cnt`` int32 [n_slots, Hkv] come from
     ``estimate.select_blocks`` or ``api.mask_to_indices``; ``dense=True`` ignores them and visits
     every causal block. ``mode``: "grid" | "merged" | "persistent" (``sched``: a ``schedule(...)``
     result, or ``sched_cache``: a dict the caller keeps per plan). Unset launch options take
     ``DEFAULTS`` on a GPU (the interpreter ignores them). ``out``/``lse`` may be given (preallocated;
-    ``out`` may be strided). Returns (out [Tq, Hq, D], lse [Tq, Hq] float32)."""
+    ``out`` may be strided). Returns (out [Tq, Hq, D], lse [Tq, Hq] float32).
+
+    FP8 scores: ``q`` and ``k`` may be float8 codes (e4m3) whose dot products times ``qk_descale``
+    (the two per-tensor scales) are the true ones; the tensor cores take them at twice the bf16 rate.
+    ``p @ v`` stays in v's dtype, and ``out`` has v's dtype."""
     tq, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
@@ -402,9 +414,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, idx: to
     bn = min(bs, bn or dflt.get("bn") or (64 if d > 64 and q.dtype == torch.float32 else bs))
     assert g % gp == 0 and bs % tok == 0 and bs % bn == 0 and tok * gp >= 16, (g, gp, bs, tok)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    out = torch.empty_like(q) if out is None else out
+    assert (q.dtype == k.dtype == v.dtype) or (q.dtype == k.dtype == torch.float8_e4m3fn), (q.dtype, k.dtype, v.dtype)
+    out = torch.empty(q.shape, dtype=v.dtype, device=q.device) if out is None else out
     lse = torch.empty(tq, hq, dtype=torch.float32, device=q.device) if lse is None else lse
     assert out.shape == q.shape and out.stride(-1) == 1 and lse.shape == (tq, hq) and lse.stride(1) == 1
+    scale = scale * qk_descale
     if dense or idx is None:
         idx = cnt = torch.zeros(1, 1, 1, dtype=torch.int32, device=q.device)
         dense = True
@@ -450,5 +464,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, idx: to
             q, k, v, out, lse, layout.cu_q, layout.cu_k, layout.slot_seq, layout.slot_qblk, idx, cnt2,
             kd, vd, layout.n_slots, scale * LOG2E, *strides,
             G=g, GP=gp, TOK=tok, BS=bs, BN=bn, D=d, DENSE=dense, MERGED=(mode == "merged"),
-            FMA=fma, KVLOAD=kvload, WS=ws, RCP=rcp, FIXM=fixm, LIM=FIXM_LIMIT[q.dtype], **kw)
+            FMA=fma, KVLOAD=kvload, WS=ws, RCP=rcp, FIXM=fixm, LIM=FIXM_LIMIT[v.dtype], **kw)
     return out, lse
