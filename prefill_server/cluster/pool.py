@@ -177,7 +177,7 @@ class RayPool:
         from ray.exceptions import RayActorError
 
         body = msg.request_to_dict(req)
-        hints: dict[str, Any] = {"num_tokens": len(req.prompt_token_ids)}
+        hints: dict[str, Any] = {"num_tokens": len(req.prompt_token_ids), "request_id": req.request_id}
         if self.config.routing == "prefix":
             hints["prefix"] = prefix_hashes(req.prompt_token_ids, self.block_size, self.cache_salt)
         accept_s = self.spec.engine.max_queue_wait_s
@@ -221,10 +221,14 @@ class RayPool:
                     how = f"the prefill worker this request went to did not take it within {ACCEPT_S:g} s"
                 else:
                     how = f"prefill worker {worker} sent nothing for {WORKER_SILENT_S:g} s while computing this request"
-                if attempt == 2 or (params is not None and params.done()):
+                # a worker that has the request (said so, or Serve sent it there) may still hold its
+                # id: the run again goes elsewhere, or not at all
+                held = worker or ((r := self._router()) and r.routed_to(req.request_id))
+                others = self._running_ids() - {held}
+                if attempt == 2 or (params is not None and params.done()) or not others:
                     raise WorkerLost(f"{how}; the pool replaces it: retry") from None
                 log.warning("pool: %s (%s): running it on another", how, req.request_id)
-                hints["avoid"] = [worker] if worker else []
+                hints["avoid"] = [held] if held else []
                 worker = None
             except asyncio.CancelledError:
                 _abandon(nxt, gen)  # the worker cancels the request and frees its blocks

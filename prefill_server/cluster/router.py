@@ -21,8 +21,9 @@ A worker whose last report is older than ``SILENT_S`` (hung: Serve's calls to it
 ranked after every answering one, so new requests go around it until its health check removes it.
 
 The caller passes hints in the request dict under ``"_hints"``: ``num_tokens``, ``prefix`` (block
-hashes, ``prefix_hashes``), ``replica`` (this worker only: a release goes where its KV is) and
-``avoid`` (workers not to use: a retry after one died).
+hashes, ``prefix_hashes``), ``replica`` (this worker only: a release goes where its KV is),
+``avoid`` (workers not to use: a retry after one died) and ``request_id`` (``routed_to`` answers
+where Serve sent it, before the worker says so itself).
 
 Serve copies this class into the process by value: state shared with the pool lives in
 ``routers.LIVE``, a module Serve imports by reference.
@@ -42,6 +43,7 @@ from prefill_server.engine.prefix_cache import block_hashes
 
 PREFIX_BLOCKS = 128  # leading blocks hashed for prefix affinity
 _PREFIX_MEMORY = 65536  # block hashes remembered (least recently used forgotten first)
+_ROUTED_MEMORY = 65536  # request id -> the worker Serve sent it to (oldest forgotten first)
 _FINISHED_MEMORY_S = 10.0  # finished requests kept to discount reports taken before them (pushed every 1 s)
 SILENT_S = 5.0  # a worker's report this old: it is hung, or starved (Serve asks every second)
 
@@ -71,6 +73,7 @@ class PrefillRouter(RequestRouter):
         self._prefix: OrderedDict[str, str] = OrderedDict()  # block hash -> replica id
         self._finished: dict[str, deque[tuple[float, int]]] = {}  # replica id -> (time.time(), tokens)
         self._routed_seq: dict[str, int] = {}  # replica id -> sequence number of its last routed request
+        self._routed_to: OrderedDict[str, str] = OrderedDict()  # our request id -> replica id
         self._seq = itertools.count()
         self._rng = random.Random()
         routers.LIVE.append(self)
@@ -150,11 +153,19 @@ class PrefillRouter(RequestRouter):
         rid = replica_id.unique_id
         self._sent.setdefault(rid, {})[pending_request.metadata.internal_request_id] = int(hints.get("num_tokens", 0))
         self._routed_seq[rid] = next(self._seq)
+        if (req_id := hints.get("request_id")) is not None:
+            self._routed_to[req_id] = rid
+            while len(self._routed_to) > _ROUTED_MEMORY:
+                self._routed_to.popitem(last=False)
         for h in hints.get("prefix") or ():
             self._prefix[h] = rid
             self._prefix.move_to_end(h)
         while len(self._prefix) > _PREFIX_MEMORY:
             self._prefix.popitem(last=False)
+
+    def routed_to(self, request_id: str) -> str | None:
+        """The worker Serve last sent this request to (it may not have said "accepted" yet)."""
+        return self._routed_to.get(request_id)
 
     def forget_prefixes(self) -> None:
         """The workers' prefix caches were reset: no worker holds any block now."""

@@ -194,3 +194,16 @@ def test_a_worker_whose_reports_stopped_is_tried_last(policy):
     assert {w["worker"]: w["answering"] for w in router.workers()} == {"a": False, "b": True, "c": True}
     only = asyncio.run(router.choose_replicas([hung], pending(1)))
     assert [[r.name for r in rank] for rank in only] == [["a"]]  # none answers: still tried
+
+
+def test_the_router_says_where_serve_sent_a_request():
+    """A retry must not land where the first attempt may still hold the request's id (a worker that
+    got it but did not say "accepted" in time): the router remembers where each id was routed."""
+    router = make_router("least-tokens")
+    a, b = Replica("a"), Replica("b")
+    req = pending(10, request_id="pf-1")
+    assert router.routed_to("pf-1") is None
+    name = route(router, [a, b], req)
+    assert router.routed_to("pf-1") == name
+    other = "b" if name == "a" else "a"
+    assert choose(router, [a, b], pending(10, request_id="pf-1", avoid=[name])) == other
