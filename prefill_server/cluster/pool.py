@@ -34,7 +34,7 @@ from typing import Any
 from prefill_server.cluster import messages as msg
 from prefill_server.cluster import pool_metrics, routers
 from prefill_server.cluster.autoscaling import POLICY
-from prefill_server.cluster.replica import PrefillReplica, ReplicaSpec
+from prefill_server.cluster.replica import PrefillReplica, ReplicaSpec, mark_read
 from prefill_server.cluster.router import PrefillRouter, prefix_hashes
 from prefill_server.config import EngineConfig, PoolConfig, ServerConfig
 from prefill_server.engine import build
@@ -347,7 +347,7 @@ class _WorkerSilent(Exception):
 def _abandon(nxt: asyncio.Future | None, gen) -> None:
     """Stop waiting on a worker's stream and cancel the request there (if it can still hear)."""
     if nxt is not None:
-        nxt.add_done_callback(lambda f: f.cancelled() or f.exception())  # it ends RequestCancelledError
+        nxt.add_done_callback(mark_read)  # it ends RequestCancelledError
         nxt.cancel()
     gen.cancel()
 

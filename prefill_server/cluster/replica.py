@@ -33,7 +33,9 @@ HEARTBEAT_S = 1.0  # the longest a request's stream goes without an event while 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def _retrieve(f: asyncio.Future) -> None:
+def mark_read(f: asyncio.Future) -> None:
+    """A done callback for a future no one will await: its exception counts as read (asyncio would
+    log "exception was never retrieved" for a request cancelled on purpose)."""
     if not f.cancelled():
         f.exception()
 
@@ -109,7 +111,7 @@ class PrefillReplica:
             if not ended:
                 self.worker.release(req.request_id)
                 for w in waits:  # it ends RequestCancelled now, with no one left to read it
-                    w.add_done_callback(_retrieve)
+                    w.add_done_callback(mark_read)
 
     def release(self, request: dict[str, Any]) -> bool:
         return self.worker.release(str(request["request_id"]))
