@@ -10,12 +10,17 @@ relative L2 of the output, on normal data and with outlier key channels (8 chann
 activations have). Interleaved rounds; medians.
 
     PYTHONPATH=. python3 docs/bench/2026-12-06-fp8-attention/scores.py --out $OUT/scores.json
+    TRITON_INTERPRET=1 .venv/bin/python docs/bench/2026-12-06-fp8-attention/scores.py --smoke --out smoke.json
+
+--smoke: on the CPU in Triton's interpreter, float16 for bf16, 2 x 256 tokens, errors only (no timing).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import pathlib
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +31,7 @@ from prefill_server.kernels.block_sparse.layout import build_layout
 from prefill_server.layers.attention import dense_attention
 
 HQ, HKV, D = 32, 8, 128
+DEV, DTYPE, SMOKE = torch.device("cuda"), torch.bfloat16, False
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -41,12 +47,12 @@ def reference(q, k, v, n_q: int, scale: float) -> torch.Tensor:
 
 
 def case(lens: list[int], rounds: int, outliers: bool) -> dict:
-    dev = torch.device("cuda")
+    dev = DEV
     g = torch.Generator(device=dev).manual_seed(0)
     t = sum(lens)
-    q = torch.randn(t, HQ, D, device=dev, generator=g, dtype=torch.bfloat16)
-    k = torch.randn(t, HKV, D, device=dev, generator=g, dtype=torch.bfloat16)
-    v = torch.randn(t, HKV, D, device=dev, generator=g, dtype=torch.bfloat16)
+    q = torch.randn(t, HQ, D, device=dev, generator=g, dtype=DTYPE)
+    k = torch.randn(t, HKV, D, device=dev, generator=g, dtype=DTYPE)
+    v = torch.randn(t, HKV, D, device=dev, generator=g, dtype=DTYPE)
     if outliers:
         k[:, :, :8] *= 8
     cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32, device=dev)
@@ -69,6 +75,8 @@ def case(lens: list[int], rounds: int, outliers: bool) -> dict:
     n_ref = min(lens[0], 8192)
     ref = reference(q, k, v, n_ref, scale)
     acc = {name: rel_l2(fns[name]()[:n_ref], ref) for name in ("cudnn", "ours_bf16", "ours_qk8")}
+    if SMOKE:
+        return {"lens": lens, "outlier_k_channels": outliers, "dtype": str(DTYPE), "rel_l2_vs_fp32": acc}
     times: dict[str, list[float]] = {n: [] for n in fns}
     for _ in range(rounds):
         for name, f in fns.items():
@@ -83,17 +91,26 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args()
+    global DEV, DTYPE, SMOKE
+    cases = (([8192] * 8, False), ([8192] * 8, True), ([32768], False), ([131072], False))
+    if a.smoke:
+        DEV, DTYPE, SMOKE = torch.device("cpu"), torch.float16, True
+        sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "tests" / "kernels"))
+        import conftest  # noqa: F401 (the interpreter's NumPy >= 2.4 fix)
+        cases = (([256] * 2, False), ([256] * 2, True))
     res = []
-    for lens, outl in (([8192] * 8, False), ([8192] * 8, True), ([32768], False), ([131072], False)):
+    for lens, outl in cases:
         r = case(lens, a.rounds, outl)
         res.append(r)
-        print(f"{len(lens)}x{lens[0]} outliers={outl}: ms {({k: round(x, 2) for k, x in r['ms'].items()})} "
-              f"qk8 {r['qk8_vs_cudnn']:.3f}x cudnn (with quant {r['qk8_with_quant_vs_cudnn']:.3f}x), "
-              f"ours bf16 {r['ours_bf16_vs_cudnn']:.3f}x; rel L2 vs fp32 "
+        speed = "" if SMOKE else (
+            f"ms {({k: round(x, 2) for k, x in r['ms'].items()})} qk8 {r['qk8_vs_cudnn']:.3f}x cudnn (with quant "
+            f"{r['qk8_with_quant_vs_cudnn']:.3f}x), ours bf16 {r['ours_bf16_vs_cudnn']:.3f}x; ")
+        print(f"{len(lens)}x{lens[0]} outliers={outl}: {speed}rel L2 vs fp32 "
               f"{({k: f'{x:.2e}' for k, x in r['rel_l2_vs_fp32'].items()})}", flush=True)
         with open(a.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "cases": res}, f, indent=1)
+            json.dump({"device": "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(), "cases": res}, f, indent=1)
 
 
 if __name__ == "__main__":
