@@ -103,6 +103,26 @@ if triton is not None:
             _store_codes(Q + row * stride_q, g / (1.0 + tl.exp(-g)) * u, inv, cols, m, fp8_max)
         tl.store(S + row, scale)
 
+    @triton.jit
+    def silu_mul_quant_row_kernel(GU, Q, S, stride_gu, stride_q, n, fp8_max, inv_fp8_max, min_scale,
+                                  BLOCK: tl.constexpr):
+        """As silu_mul_quant_kernel with the whole row held in registers: one read of gate_up."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        m = cols < n
+        g = tl.load(GU + row * stride_gu + cols, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(GU + row * stride_gu + n + cols, mask=m, other=0.0).to(tl.float32)
+        y = g / (1.0 + tl.exp(-g)) * u
+        scale, inv = _scale_of(tl.abs(y), inv_fp8_max, min_scale)
+        _store_codes(Q + row * stride_q, y, inv, cols, m, fp8_max)
+        tl.store(S + row, scale)
+
+
+# silu_mul_for computes rows up to this many columns (a power of two) in one pass (the row in
+# registers): the two-pass kernel's second read is not an L2 hit once eight 56 KB rows per SM are in
+# flight (the 8B shape), docs/bench/2026-12-06-fp8-fold/
+SILU_ONE_PASS_MAX = 16384
+
 
 class Quantized(NamedTuple):
     """Activations as an Fp8Linear takes them: codes [T, C] e4m3 and one float32 scale per row [T, 1]."""
@@ -164,8 +184,13 @@ def silu_mul_for(proj: nn.Module, gate_up: torch.Tensor) -> torch.Tensor | Quant
     t, n = gate_up.shape[0], gate_up.shape[1] // 2
     q = torch.empty(t, n, dtype=FP8, device=gate_up.device)
     s = torch.empty(t, 1, dtype=torch.float32, device=gate_up.device)
-    silu_mul_quant_kernel[(t,)](gate_up, q, s, gate_up.stride(0), q.stride(0), n, FP8_MAX, INV_FP8_MAX, MIN_SCALE,
-                                BLOCK=min(2048, triton.next_power_of_2(n)), num_warps=8)
+    block = triton.next_power_of_2(n)
+    if block <= SILU_ONE_PASS_MAX:
+        silu_mul_quant_row_kernel[(t,)](gate_up, q, s, gate_up.stride(0), q.stride(0), n, FP8_MAX, INV_FP8_MAX,
+                                        MIN_SCALE, BLOCK=block, num_warps=max(4, min(16, block // 1024)))
+    else:
+        silu_mul_quant_kernel[(t,)](gate_up, q, s, gate_up.stride(0), q.stride(0), n, FP8_MAX, INV_FP8_MAX,
+                                    MIN_SCALE, BLOCK=2048, num_warps=8)
     return Quantized(q, s)
 
 

@@ -192,7 +192,9 @@ def test_gpu_rms_norm_writes_the_codes_of_its_float32_output():
 
 @pytest.mark.gpu
 @cuda
-def test_gpu_silu_mul_writes_the_codes_of_its_float32_output():
+@pytest.mark.parametrize("one_pass_max", [fp8.SILU_ONE_PASS_MAX, 0])  # the row in registers, or read twice
+def test_gpu_silu_mul_writes_the_codes_of_its_float32_output(one_pass_max, monkeypatch):
+    monkeypatch.setattr(fp8, "SILU_ONE_PASS_MAX", one_pass_max)
     proj = fp8.Fp8Linear.from_linear(Linear(14336, 64, bias=False).to("cuda", torch.bfloat16))
     gu = rand(200, 2 * 14336, seed=10, dtype=torch.bfloat16, device="cuda") * 3
     got = fp8.silu_mul_for(proj, gu)
