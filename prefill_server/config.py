@@ -24,6 +24,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     quantization: str = "auto"  # auto (the checkpoint's) | none | fp8: the decoder layers' projections in FP8
     kv_cache_dtype: str = "auto"  # auto | fp8 | fp8_e4m3: how KV pages are stored and sent (engine/kv_format.py)
+    fp8_attention: bool = True  # with FP8 pages on a GPU: attention scores from e4m3 q and k (engine/runner.py)
     device: str = "auto"  # auto | cpu | cuda[:N]
     block_size: int = 0  # tokens per KV block; 0 = the decode's (16 if it cannot be discovered)
     num_kv_blocks: int = 0  # 0 = size from kv_cache_gib

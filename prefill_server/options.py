@@ -98,6 +98,13 @@ OPTIONS: tuple[Option, ...] = (
          "calibrated KV scales is refused). vLLM decodes with --transfer-mode nixl-compat only; as a prefill "
          "instance behind a router, spell it as the decodes do (fp8 or fp8_e4m3: vLLM hashes the name)",
          choices=KV_CACHE_DTYPES),
+    _opt("--fp8-attention", "model", "engine.fp8_attention", "with --kv-cache-dtype fp8 on a GPU with FP8 "
+         "tensor cores (compute capability 8.9+; measured on the H100): attention scores from e4m3 q and k, as "
+         "vLLM's FlashAttention-3 computes them with an FP8 KV cache (q scale 1.0, the pages' k scale); p @ v "
+         "stays in --dtype. Applies to forward steps whose prompts all start in them (a later chunk of a long "
+         "prompt, a prefix-cache hit, a streamed prompt and --attention sparse's sparse layers keep --dtype "
+         "scores). Faster long prompts at FP8's rounding of the scores (docs/running.md, \"FP8\"); "
+         "--no-fp8-attention keeps them in --dtype. No effect on CPU", flag_only=True, negatable=True),
     _opt("--device", "model", "engine.device", "auto | cpu | cuda | cuda:N"),
     # engine
     _opt("--attention", "engine", "engine.attention", "sparse: block-sparse attention for prompts past 8K "

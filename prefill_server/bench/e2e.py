@@ -197,6 +197,8 @@ def parse_args(argv):
                     help="fp8: the projections in FP8, as serve --quantization fp8 (e2e: no floor, no check)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                     help="the KV pool's pages, as serve --kv-cache-dtype (fp8: e4m3 pages)")
+    ap.add_argument("--fp8-attention", action=argparse.BooleanOptionalAction, default=True,
+                    help="with --kv-cache-dtype fp8: FP8 scores, as serve --fp8-attention (the default)")
     ap.add_argument("--fp8-exact-accum", action="store_true", help="FP8 GEMMs without use_fast_accum")
     ap.add_argument("--out", default="bench_e2e.json")
     args = ap.parse_args(argv)
@@ -248,7 +250,7 @@ def run(args) -> dict:
         "torch": torch.__version__, "cuda": torch.version.cuda,
         "triton": _version("triton"), "preset": args.preset, "dtype": args.dtype,
         "quantization": args.quantization, "fp8_exact_accum": args.fp8_exact_accum,
-        "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_cache_dtype": args.kv_cache_dtype, "fp8_attention": args.fp8_attention,
         "model": {k: getattr(cfg, k) for k in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
                                                  "head_dim", "intermediate_size", "vocab_size", "rope_theta")},
         "block_size": bs, "chunk_tokens": chunk,
@@ -303,7 +305,8 @@ def run(args) -> dict:
         res["attention_diagnostics"] = attention_diagnostics(model, cfg, device, dtype, args.diagnose_attention)
         log("attention diagnostics", res["attention_diagnostics"])
 
-    engine = make_engine(model, cfg, pool, device, token_budget=max(args.lengths + [args.check_len]), max_num_seqs=1)
+    engine = make_engine(model, cfg, pool, device, token_budget=max(args.lengths + [args.check_len]), max_num_seqs=1,
+                         fp8_attention=args.fp8_attention)
     res["ttft"] = []
     for t in args.lengths:
         warm = 1 if t <= args.warmup_max else 0
@@ -349,7 +352,8 @@ def run(args) -> dict:
     if args.tp:
         n, l = args.tp
         mark("throughput")
-        tp_engine = make_engine(model, cfg, pool, device, token_budget=args.token_budget, max_num_seqs=n)
+        tp_engine = make_engine(model, cfg, pool, device, token_budget=args.token_budget, max_num_seqs=n,
+                                fp8_attention=args.fp8_attention)
         r = throughput_run(tp_engine, cfg, n, l, device, args.seed + 7)
         if floor:  # every request's linear layers (lm_head included) at the floor's rate
             lin_ms = n * floor[str(l)]["linear"]["ms"]

@@ -123,15 +123,17 @@ def make_pool(cfg: EngineConfig, m: LoadedModel, block_size: int | None = None) 
 
 
 def make_runner(m: LoadedModel, pool: KVPool, attention: str = "dense",
-                stream_to: StreamProducer | None = None) -> ModelRunner:
+                stream_to: StreamProducer | None = None, fp8_attention: bool = False) -> ModelRunner:
     """attention: "dense", or "sparse" (block-sparse for sequences past the dense threshold).
-    stream_to: the producer STREAM requests' layers are written through (connector mode)."""
+    stream_to: the producer STREAM requests' layers are written through (connector mode).
+    fp8_attention: FP8 scores with FP8 pages on a GPU that has them (``ModelRunner``)."""
     sparse = None
     if attention == "sparse":
         from prefill_server.layers.sparse import SparseAttention
 
         sparse = SparseAttention()
-    return ModelRunner(m.model, pool, m.config.head_dim, m.device, sparse=sparse, stream_to=stream_to)
+    return ModelRunner(m.model, pool, m.config.head_dim, m.device, sparse=sparse, stream_to=stream_to,
+                       fp8_attention=fp8_attention)
 
 
 def configure_cpu(cfg: EngineConfig, block_size: int) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from prefill_server.config import KV_CACHE_DTYPES
+from prefill_server.layers.fp8 import to_e4m3
 _STORAGE = {"fp8_e4m3": torch.float8_e4m3fn}
 _ALIASES = {"fp8": "fp8_e4m3"}
 # a vLLM cache dtype naming the model's own dtype is the same bytes as "auto"
@@ -70,8 +71,7 @@ class KVFormat:
         """x (any float dtype) -> the page's values: a cast, or vLLM's saturating FP8 quantization."""
         if not self.quantized:
             return x.to(self.compute_dtype)
-        fmax = torch.finfo(self.storage_dtype).max
-        return (x.float() / scale).clamp_(-fmax, fmax).to(self.storage_dtype)
+        return to_e4m3(x, scale)  # (e4m3: the only FP8 storage offered)
 
     def load(self, pages: torch.Tensor, scale: float) -> torch.Tensor:
         """Page values -> compute dtype (FP8: times the scale, as the decode's attention reads them)."""

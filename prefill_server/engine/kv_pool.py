@@ -258,9 +258,10 @@ class KVPool:
     def _write(self, page: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
                k: torch.Tensor, v: torch.Tensor) -> None:
         d, f = self.head_dim, self.format
-        # (the fused kernel casts; FP8 pages take vLLM's saturating quantization below)
-        if not f.quantized and fused.available(page) and fused.kv_write(page, blocks, offsets, k, v):
-            return  # one pass, on CUDA
+        # one pass on CUDA (a cast, or FP8 pages' saturating quantization, as ``f.store``)
+        scales = (f.k_scale, f.v_scale) if f.quantized else None
+        if fused.available(page) and fused.kv_write(page, blocks, offsets, k, v, scales):
+            return
         page[blocks, :, offsets, :d] = f.store(k, f.k_scale)
         page[blocks, :, offsets, d:] = f.store(v, f.v_scale)
 

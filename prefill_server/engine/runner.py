@@ -31,6 +31,23 @@ from prefill_server.errors import RequestCancelled
 from prefill_server.layers.attention import dense_attention
 
 
+# the kernel's query/key block for FP8 scores (the block-sparse kernel's tiling, dense)
+FP8_SCORES_BLOCK = 128
+
+
+def fp8_scores_supported(pool: KVPool, head_dim: int) -> bool:
+    """FP8 scores run here: FP8 pages of a bf16 / fp16 model, a CUDA device with FP8 tensor cores
+    (compute capability 8.9+), Triton, and a head_dim the kernel takes (a power of two, 32 to 256: FP8 dots need K >= 32)."""
+    if (not pool.format.quantized or pool.device.type != "cuda" or head_dim & (head_dim - 1)
+            or not 32 <= head_dim <= 256 or pool.compute_dtype not in (torch.bfloat16, torch.float16)):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.get_device_capability(pool.device) >= (8, 9)
+
+
 @dataclass
 class _SeqSlice:
     q_start: int  # offset of this chunk's tokens in the flattened batch
@@ -101,20 +118,54 @@ class _Stream:
 
 
 class PagedAttention:
-    """The ``attn(layer, q, k, v)`` callable the model calls at each layer for one step."""
+    """The ``attn(layer, q, k, v)`` callable the model calls at each layer for one step.
+
+    FP8 scores (``fp8_scores``): with FP8 pages, a step of whole prompts (nothing read back from the
+    pool, not streamed) attends on CUDA with q and k as e4m3 codes, as vLLM's FlashAttention-3 does
+    with an FP8 KV cache (q_scale 1.0, the pages' k_scale): one launch of our kernel for the step's
+    packed prompts, QK^T at the FP8 tensor-core rate, ``p @ v`` in the model dtype."""
 
     def __init__(self, pool: KVPool, slices: list[_SeqSlice], scale: float, sparse=None,
-                 stream: _Stream | None = None):
+                 stream: _Stream | None = None, fp8_scores: bool = False):
         self.pool, self.slices, self.scale, self.sparse = pool, slices, scale, sparse
         self.stream = stream
+        self._fp8 = None  # (q_scale, k_scale) when this step may take FP8 scores
+        if fp8_scores and stream is None and all(s.start == 0 for s in slices):
+            self._fp8, self._layout = (1.0, pool.format.k_scale), None
         if stream is None:
             blocks, offsets = zip(*(pool.slot_mapping(s.block_ids, s.start, s.end) for s in slices))
             self.blocks, self.offsets = torch.cat(blocks), torch.cat(offsets)  # [T] each
             # block tables of the slices that read earlier chunks back, once for all layers
             self.tables = [pool.block_table(s.block_ids, s.end) if s.start else None for s in slices]
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q [T, Hq, D], k/v [T, Hkv, D] -> o [T, Hq, D]
+    def fp8_scores(self, layer: int) -> tuple[float, float] | None:
+        """(q_scale, k_scale) when layer ``layer`` takes q and k as e4m3 codes (``__call__``'s k8)."""
+        if self._fp8 is None or (self.sparse is not None
+                                 and any(self.sparse.wants(layer, s.end) for s in self.slices)):
+            return None
+        return self._fp8
+
+    def _attend_fp8(self, q8: torch.Tensor, k8: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q8 [T, Hq, D], k8 [T, Hkv, D] e4m3, v [T, Hkv, D] -> o [T, Hq, D], causal per prompt."""
+        from prefill_server.kernels.block_sparse import kernel
+        from prefill_server.kernels.block_sparse.layout import build_layout
+
+        if self._layout is None:  # once per step: the packed prompts' boundaries
+            cu = [0]
+            for s in self.slices:
+                cu.append(cu[-1] + s.end)
+            cu_t = torch.tensor(cu, dtype=torch.int32).to(q8.device)
+            self._layout = build_layout(cu_t, cu_t, q8.shape[0], k8.shape[0], FP8_SCORES_BLOCK)
+        qs, ks = self._fp8
+        return kernel.attention(q8, k8, v, self._layout, None, None, self.scale, dense=True,
+                                qk_descale=qs * ks)[0]
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 k8: torch.Tensor | None = None) -> torch.Tensor:
+        # q [T, Hq, D], k/v [T, Hkv, D] -> o [T, Hq, D]; with k8 (fp8_scores): q and k8 e4m3 codes
+        if k8 is not None:
+            self.pool.write(layer, self.blocks, self.offsets, k, v)
+            return self._attend_fp8(q, k8, v)
         if self.stream is not None:  # one whole prompt (past a cached head): K/V to staging
             self.stream.write(self.pool, layer, k, v)
             ks, vs = self.stream.context(self.pool, layer, k, v)
@@ -141,9 +192,11 @@ class PagedAttention:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, pool: KVPool, head_dim: int, device: torch.device,
-                 sparse=None, stream_to: StreamProducer | None = None):
+                 sparse=None, stream_to: StreamProducer | None = None, fp8_attention: bool = False):
+        """fp8_attention: FP8 scores where ``PagedAttention`` allows them (``fp8_scores_supported``)."""
         self.model, self.pool, self.device = model, pool, device
         self.scale = head_dim ** -0.5
+        self.fp8_attention = fp8_attention and fp8_scores_supported(pool, head_dim)
         self.sparse = sparse
         self.stream_to = stream_to  # where STREAM prompts' layers are written (connector mode)
         # small steps of one chunk past a cached head as CUDA graphs (None off CUDA; graphs.py)
@@ -175,7 +228,7 @@ class ModelRunner:
             assert c.start == c.seq.num_cached and c.is_last, "a streamed prompt runs whole (past its cached head)"
             assert self.stream_to is not None, "a STREAM request on an engine whose producer does not stream"
             stream = _Stream(self.pool, self.stream_to, c.seq, c.end, Scheduler.STREAM_SLOTS)
-        attn = PagedAttention(self.pool, slices, self.scale, self.sparse, stream)
+        attn = PagedAttention(self.pool, slices, self.scale, self.sparse, stream, self.fp8_attention)
         idx = torch.tensor(last_rows, dtype=torch.long, device=self.device)
         logits = self.model(input_ids, positions, attn, idx)  # [n_last, V]; empty rows are cheap
         return logits if last_rows else None

@@ -153,7 +153,7 @@ def build_local_worker(ecfg: EngineConfig, backend, fleet: tuple[DecodeFacts, ..
     if m.device.type == "cpu":
         build.configure_cpu(ecfg, pool.block_size)
     stream_to = producer if Route.STREAM in producer.routes else None
-    runner = build.make_runner(m, pool, ecfg.attention, stream_to=stream_to)
+    runner = build.make_runner(m, pool, ecfg.attention, stream_to=stream_to, fp8_attention=ecfg.fp8_attention)
     c = m.config
     max_model_len = context_len(c, fleet)
     engine = Engine(runner, pool, producer, max_model_len=max_model_len,

@@ -139,6 +139,12 @@ class Quantized(NamedTuple):
         return self.data.is_cuda
 
 
+def to_e4m3(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """x / scale as e4m3 codes with one scale for the tensor, saturating as vLLM's FP8 quantization
+    (out-of-range values become +-448, not NaN): FP8 KV pages, attention's FP8 q and k."""
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+
+
 def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, C] -> (q [R, C] e4m3, scale [R, 1] float32) with x ~= q * scale, row by row."""
     xf = x.float()

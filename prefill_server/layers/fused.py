@@ -53,21 +53,40 @@ if triton is not None:
         tl.store(Y + row * stride_y + cols, (w.to(tl.float32) * y).to(Y.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _rope_heads(src, dst, c1, c2, s1, s2, nh, D: tl.constexpr, HALF: tl.constexpr, BH: tl.constexpr):
-        dt = dst.dtype.element_ty
+    def _e4m3(x, scale):
+        """x / scale as e4m3 codes, saturating as vLLM's FP8 quantization (out-of-range values become
+        +-448, not NaN; KVFormat.store)"""
+        z = x.to(tl.float32) / scale
+        return tl.minimum(tl.maximum(z, -448.0), 448.0).to(tl.float8e4nv)
+
+    @triton.jit
+    def _rope_heads(src, dst, dst8, scale8, c1, c2, s1, s2, nh, D: tl.constexpr, HALF: tl.constexpr,
+                    BH: tl.constexpr, MODE: tl.constexpr):
+        """rope(src) rounded to src's dtype; MODE 0: into dst; 1: only its e4m3 codes of value / scale8
+        into dst; 2: both, the codes into dst8. The codes are those of the rounded values, as vLLM
+        quantizes its bf16 query and its cache write quantizes k."""
         h = tl.arange(0, BH)[:, None]
         j = tl.arange(0, HALF)[None, :]
         m = h < nh
         x1 = tl.load(src + h * D + j, mask=m, other=0.0).to(tl.float32)
         x2 = tl.load(src + h * D + HALF + j, mask=m, other=0.0).to(tl.float32)
         # x * cos + rotate_half(x) * sin in float32, rounded once (eager bf16 rounds after each op)
-        tl.store(dst + h * D + j, (x1 * c1 - x2 * s1).to(dt), mask=m)
-        tl.store(dst + h * D + HALF + j, (x2 * c2 + x1 * s2).to(dt), mask=m)
+        dt = src.dtype.element_ty
+        y1 = (x1 * c1 - x2 * s1).to(dt)
+        y2 = (x2 * c2 + x1 * s2).to(dt)
+        if MODE == 1:
+            dst8 = dst
+        else:
+            tl.store(dst + h * D + j, y1.to(dst.dtype.element_ty), mask=m)
+            tl.store(dst + h * D + HALF + j, y2.to(dst.dtype.element_ty), mask=m)
+        if MODE != 0:
+            tl.store(dst8 + h * D + j, _e4m3(y1, scale8), mask=m)
+            tl.store(dst8 + h * D + HALF + j, _e4m3(y2, scale8), mask=m)
 
     @triton.jit
-    def rope_qkv_kernel(QKV, COS, SIN, Q, K, V, stride_qkv, stride_cs, stride_q, stride_k, stride_v,
-                        HQ, HKV, D: tl.constexpr, HALF: tl.constexpr, BHQ: tl.constexpr,
-                        BHKV: tl.constexpr, BV: tl.constexpr):
+    def rope_qkv_kernel(QKV, COS, SIN, Q, K, V, K8, stride_qkv, stride_cs, stride_q, stride_k, stride_v,
+                        stride_k8, q_scale, k_scale, HQ, HKV, D: tl.constexpr, HALF: tl.constexpr,
+                        BHQ: tl.constexpr, BHKV: tl.constexpr, BV: tl.constexpr, FP8: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         j = tl.arange(0, HALF)[None, :]
         cs = COS + t * stride_cs
@@ -77,8 +96,10 @@ if triton is not None:
         s1 = tl.load(sn + j).to(tl.float32)
         s2 = tl.load(sn + HALF + j).to(tl.float32)
         row = QKV + t * stride_qkv
-        _rope_heads(row, Q + t * stride_q, c1, c2, s1, s2, HQ, D, HALF, BHQ)
-        _rope_heads(row + HQ * D, K + t * stride_k, c1, c2, s1, s2, HKV, D, HALF, BHKV)
+        # FP8: q only as e4m3 codes (attention's FP8 scores), k both as values and codes
+        _rope_heads(row, Q + t * stride_q, Q, q_scale, c1, c2, s1, s2, HQ, D, HALF, BHQ, 1 if FP8 else 0)
+        _rope_heads(row + HQ * D, K + t * stride_k, K8 + t * stride_k8, k_scale, c1, c2, s1, s2, HKV, D, HALF,
+                    BHKV, 2 if FP8 else 0)
         offs = tl.arange(0, BV)
         nv = HKV * D
         vv = tl.load(row + (HQ + HKV) * D + offs, mask=offs < nv)
@@ -97,7 +118,8 @@ if triton is not None:
 
     @triton.jit
     def kv_write_kernel(PAGE, BLOCKS, OFFS, K, V, stride_pb, stride_ph, stride_pn, stride_kt, stride_kh,
-                        stride_vt, stride_vh, H, D: tl.constexpr, BH: tl.constexpr):
+                        stride_vt, stride_vh, k_scale, v_scale, H, D: tl.constexpr, BH: tl.constexpr,
+                        FP8: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         b = tl.load(BLOCKS + t).to(tl.int64)
         o = tl.load(OFFS + t).to(tl.int64)
@@ -107,8 +129,12 @@ if triton is not None:
         dst = PAGE + b * stride_pb + o * stride_pn + h * stride_ph + d
         kk = tl.load(K + t * stride_kt + h * stride_kh + d, mask=m)
         vv = tl.load(V + t * stride_vt + h * stride_vh + d, mask=m)
-        tl.store(dst, kk.to(PAGE.dtype.element_ty), mask=m)
-        tl.store(dst + D, vv.to(PAGE.dtype.element_ty), mask=m)
+        if FP8:  # e4m3 pages: K / k_scale, V / v_scale (KVFormat.store)
+            tl.store(dst, _e4m3(kk, k_scale), mask=m)
+            tl.store(dst + D, _e4m3(vv, v_scale), mask=m)
+        else:
+            tl.store(dst, kk.to(PAGE.dtype.element_ty), mask=m)
+            tl.store(dst + D, vv.to(PAGE.dtype.element_ty), mask=m)
 
     _KERNELS = {"rms_norm": rms_norm_kernel, "rope_qkv": rope_qkv_kernel, "silu_mul": silu_mul_kernel,
                 "kv_write": kv_write_kernel}
@@ -139,29 +165,40 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
 
 
 def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int, d: int,
-             out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+             out: tuple[torch.Tensor, ...] | None = None, fp8_scales: tuple[float, float] | None = None):
     """qkv [T, (hq + 2 hkv) d] (one fused projection's rows), cos/sin [T, d] ->
     q [T, hq, d], k [T, hkv, d] roped and v [T, hkv, d], each contiguous per token (written into
     ``out`` when given). None (nothing written) where the kernel does not apply: d / 2 not a power
-    of two."""
+    of two.
+
+    fp8_scales (q_scale, k_scale): q comes back as e4m3 codes of q / q_scale instead, and a fourth
+    tensor k8 [T, hkv, d] holds the codes of k / k_scale (both of the values rounded to qkv's dtype,
+    ``fp8.to_e4m3``): the inputs of attention's FP8 scores (``out`` then has four tensors too)."""
     t = qkv.shape[0]
     if _pow2(d // 2) != d // 2 or d % 2:
         return None
+    f8 = torch.float8_e4m3fn
     if out is None:
-        q = torch.empty(t, hq, d, dtype=qkv.dtype, device=qkv.device)
+        q = torch.empty(t, hq, d, dtype=f8 if fp8_scales else qkv.dtype, device=qkv.device)
         k = torch.empty(t, hkv, d, dtype=qkv.dtype, device=qkv.device)
         v = torch.empty(t, hkv, d, dtype=qkv.dtype, device=qkv.device)
+        k8 = torch.empty(t, hkv, d, dtype=f8, device=qkv.device) if fp8_scales else None
     else:
-        q, k, v = out
+        q, k, v, k8 = out if fp8_scales else (*out, None)
+    res = (q, k, v, k8) if fp8_scales else (q, k, v)
     if t == 0:
-        return q, k, v
+        return res
     assert qkv.stride(-1) == 1 and cos.stride(-1) == 1 and cos.stride() == sin.stride()
-    for z in (q, k, v):
+    for z in res:
         assert z.stride(-1) == 1 and z.stride(-2) == d, z.stride()
-    _KERNELS["rope_qkv"][(t,)](qkv, cos, sin, q, k, v, qkv.stride(0), cos.stride(0), q.stride(0),
-                                 k.stride(0), v.stride(0), hq, hkv, D=d, HALF=d // 2, BHQ=_pow2(hq),
-                                 BHKV=_pow2(hkv), BV=_pow2(hkv * d), num_warps=4)
-    return q, k, v
+    if fp8_scales:
+        assert q.dtype == k8.dtype == f8, (q.dtype, k8.dtype)
+    q_scale, k_scale = fp8_scales or (1.0, 1.0)
+    _KERNELS["rope_qkv"][(t,)](qkv, cos, sin, q, k, v, k if k8 is None else k8, qkv.stride(0), cos.stride(0),
+                                 q.stride(0), k.stride(0), v.stride(0), (k if k8 is None else k8).stride(0),
+                                 q_scale, k_scale, hq, hkv, D=d, HALF=d // 2, BHQ=_pow2(hq), BHKV=_pow2(hkv),
+                                 BV=_pow2(hkv * d), FP8=bool(fp8_scales), num_warps=4)
+    return res
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -177,15 +214,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def kv_write(page: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor,
-             v: torch.Tensor) -> bool:
-    """page [NB, H, N, 2D] (one layer); k, v [T, H, D] written at (blocks[t], :, offsets[t]).
+             v: torch.Tensor, scales: tuple[float, float] | None = None) -> bool:
+    """page [NB, H, N, 2D] (one layer); k, v [T, H, D] written at (blocks[t], :, offsets[t]), cast to
+    the page's dtype; with ``scales`` (k_scale, v_scale) into e4m3 pages as vLLM quantizes them.
     False (nothing written) where the kernel does not apply: head_dim not a power of two."""
     t, h, d = k.shape
     if _pow2(d) != d or k.stride(-1) != 1 or v.stride(-1) != 1 or page.stride(-1) != 1:
         return False
     if t == 0:
         return True
+    assert scales is None or page.dtype == torch.float8_e4m3fn, page.dtype
     _KERNELS["kv_write"][(t,)](page, blocks, offsets, k, v, page.stride(0), page.stride(1), page.stride(2),
-                                 k.stride(0), k.stride(1), v.stride(0), v.stride(1), h, D=d, BH=_pow2(h),
-                                 num_warps=4)
+                                 k.stride(0), k.stride(1), v.stride(0), v.stride(1), *(scales or (1.0, 1.0)),
+                                 h, D=d, BH=_pow2(h), FP8=scales is not None, num_warps=4)
     return True

@@ -34,9 +34,14 @@ from prefill_server.models.config import ModelConfig
 
 
 class AttentionFn(Protocol):
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] -> o [T, Hq, D]."""
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 k8: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> o [T, Hq, D]. With FP8 scores (``fp8_scores`` below) q is
+        given as e4m3 codes of q / q_scale and k8 [T, Hkv, D] as the codes of k / k_scale."""
         ...
+
+    # optional: (q_scale, k_scale) when layer ``layer`` takes FP8 scores (CUDA only), else None
+    # def fp8_scores(self, layer: int) -> tuple[float, float] | None
 
 
 # Checkpoint (HF) projections that we fuse into one Linear each, in concatenation order.
@@ -66,13 +71,15 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out=None):
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out=None,
+                fp8_scales: tuple[float, float] | None = None):
         """x [T, hidden] (already normed) -> q [T, Hq, D], k [T, Hkv, D] (roped), v [T, Hkv, D];
-        written into ``out`` (q, k, v tensors of T rows) when given."""
+        written into ``out`` (q, k, v tensors of T rows) when given. fp8_scales (q_scale, k_scale):
+        q as e4m3 codes and a fourth tensor, k's codes (``fused.rope_qkv``); ``out`` has four then."""
         t = x.shape[0]
         if self.q_norm is None and fused.available(x):  # one pass: rope q and k, copy v
             r = fused.rope_qkv(self.qkv_proj(x), cos, sin, self.num_heads, self.num_kv_heads,
-                               self.head_dim, out)
+                               self.head_dim, out, fp8_scales)
             if r is not None:
                 return r
         q, k, v = self.qkv_proj.forward_split(x)
@@ -82,9 +89,12 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        res = (q, k, v)
+        if fp8_scales:
+            res = (fp8.to_e4m3(q, fp8_scales[0]), k, v, fp8.to_e4m3(k, fp8_scales[1]))
         if out is None:
-            return q, k, v
-        for dst, src in zip(out, (q, k, v)):
+            return res
+        for dst, src in zip(out, res):
             dst.copy_(src)
         return out
 
@@ -159,18 +169,21 @@ class DecoderLayer(nn.Module):
         """CUDA: x [T, hidden] -> [T, hidden], residual adds fused into the o_proj / down GEMMs."""
         sa = self.self_attn
         t = x.shape[0]
+        scores8 = getattr(attn, "fp8_scores", None)
+        f8 = scores8(sa.layer) if scores8 is not None else None  # (q_scale, k_scale) or None
         if t <= chunk:
-            q, k, v = sa.project(fp8.rms_norm_for(sa.qkv_proj, self.input_layernorm, x), cos, sin)
+            qkv = sa.project(fp8.rms_norm_for(sa.qkv_proj, self.input_layernorm, x), cos, sin, fp8_scales=f8)
         else:  # project chunk by chunk straight into whole-prompt buffers
-            q = x.new_empty(t, sa.num_heads, sa.head_dim)
-            k = x.new_empty(t, sa.num_kv_heads, sa.head_dim)
-            v = x.new_empty(t, sa.num_kv_heads, sa.head_dim)
+            qkv = (x.new_empty(t, sa.num_heads, sa.head_dim, dtype=torch.float8_e4m3fn if f8 else x.dtype),
+                   x.new_empty(t, sa.num_kv_heads, sa.head_dim), x.new_empty(t, sa.num_kv_heads, sa.head_dim))
+            if f8:
+                qkv = (*qkv, x.new_empty(t, sa.num_kv_heads, sa.head_dim, dtype=torch.float8_e4m3fn))
             for s in range(0, t, chunk):
                 e = s + chunk
                 sa.project(fp8.rms_norm_for(sa.qkv_proj, self.input_layernorm, x[s:e]), cos[s:e], sin[s:e],
-                           out=(q[s:e], k[s:e], v[s:e]))
-        o = attn(sa.layer, q, k, v)  # [T, Hq, D]
-        del q, k, v
+                           out=tuple(z[s:e] for z in qkv), fp8_scales=f8)
+        o = attn(sa.layer, *qkv[:3], **({"k8": qkv[3]} if f8 else {}))  # [T, Hq, D]
+        del qkv
         o = o.reshape(t, -1)  # [T, Hq * D]
         for s in range(0, t, chunk):
             xs = x[s:s + chunk]

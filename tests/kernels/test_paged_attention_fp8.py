@@ -1,0 +1,88 @@
+"""FP8 scores in a step's attention (``engine.runner.PagedAttention`` with FP8 pages): one kernel
+launch over the step's packed prompts with q and k as e4m3 codes, against per-prompt causal
+attention of the dequantized codes; and the steps that must keep the model dtype. On CPU through
+Triton's interpreter (fp16), on a GPU in bf16."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from prefill_server.engine.kv_pool import KVPool
+from prefill_server.engine.runner import PagedAttention, _SeqSlice, fp8_scores_supported
+from prefill_server.layers.fp8 import to_e4m3
+
+HQ, HKV, D, BS = 8, 2, 64, 16
+
+
+def slices_of(lens: list[int], start: int = 0) -> list[_SeqSlice]:
+    out, t, nb = [], 0, 0
+    for n in lens:
+        need = -(-(start + n) // BS)
+        out.append(_SeqSlice(t, t + n, start, start + n, list(range(nb, nb + need))))
+        t, nb = t + n, nb + need
+    return out
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def test_a_step_of_whole_prompts_attends_on_fp8_codes(triton_device):
+    dt = torch.bfloat16 if triton_device.type == "cuda" else torch.float16
+    lens = [70, 33, 130]
+    pool = KVPool(2, 32, HKV, BS, D, dt, device=triton_device, cache_dtype="fp8")
+    slices = slices_of(lens)
+    attn = PagedAttention(pool, slices, D ** -0.5, fp8_scores=True)
+    assert attn.fp8_scores(1) == (1.0, pool.format.k_scale)
+    g = torch.Generator().manual_seed(0)
+    t = sum(lens)
+    q, k, v = (torch.randn(t, h, D, generator=g).to(dt) for h in (HQ, HKV, HKV))
+    q8, k8 = to_e4m3(q), to_e4m3(k)  # what fused.rope_qkv writes (q_scale = k_scale = 1.0)
+    dev = triton_device
+    o = attn(1, q8.to(dev), k.to(dev), v.to(dev), k8=k8.to(dev))
+    assert o.shape == (t, HQ, D) and o.dtype == dt and not torch.isnan(o).any()
+    for s in slices:
+        qs, ks, vs = (x[s.q_start:s.q_end].float().transpose(0, 1)[None] for x in (q8, k8, v))
+        ref = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=D ** -0.5, enable_gqa=True)
+        assert rel_l2(o[s.q_start:s.q_end].cpu(), ref[0].transpose(0, 1)) < 1e-2
+        full = F.scaled_dot_product_attention(*(x[s.q_start:s.q_end].float().transpose(0, 1)[None]
+                                                for x in (q, k, v)), is_causal=True, scale=D ** -0.5,
+                                              enable_gqa=True)
+        assert rel_l2(o[s.q_start:s.q_end].cpu(), full[0].transpose(0, 1)) < 0.06  # e4m3's 3 mantissa bits
+        # the pages hold what the decode reads: k's and v's FP8 codes, whatever the scores were
+        pk, pv = pool.read(1, s.block_ids, s.end)
+        fmt = pool.format
+        assert torch.equal(pk.cpu(), fmt.load(fmt.store(k[s.q_start:s.q_end], fmt.k_scale), fmt.k_scale))
+        assert torch.equal(pv.cpu(), fmt.load(fmt.store(v[s.q_start:s.q_end], fmt.v_scale), fmt.v_scale))
+
+
+class _SparseFrom:
+    """Sparse attention's ``wants`` as ``SparseAttention`` answers it: past a length."""
+
+    def __init__(self, min_len: int):
+        self.min_len = min_len
+
+    def wants(self, layer: int, num_keys: int) -> bool:
+        return num_keys >= self.min_len
+
+
+def test_steps_that_keep_the_model_dtype():
+    pool = KVPool(2, 32, HKV, BS, D, torch.float16, device="cpu", cache_dtype="fp8")
+    assert PagedAttention(pool, slices_of([40]), 0.1, fp8_scores=False).fp8_scores(0) is None
+    # a later chunk reads earlier keys back from the pool: not one packed causal launch
+    assert PagedAttention(pool, slices_of([40], start=32), 0.1, fp8_scores=True).fp8_scores(0) is None
+    # a layer that sparse attention takes keeps its own path; shorter prompts' layers take FP8 scores
+    assert PagedAttention(pool, slices_of([40, 200]), 0.1, _SparseFrom(100), fp8_scores=True).fp8_scores(0) is None
+    assert PagedAttention(pool, slices_of([40, 60]), 0.1, _SparseFrom(100), fp8_scores=True).fp8_scores(0) == (1.0, 1.0)
+    # never on the CPU, nor without FP8 pages
+    assert not fp8_scores_supported(pool, D)
+    if torch.cuda.is_available():
+        assert not fp8_scores_supported(KVPool(2, 32, HKV, BS, D, torch.bfloat16, device="cuda"), D)
+
+
+@pytest.mark.gpu
+def test_fp8_scores_on_a_gpu_with_fp8_pages():
+    pool = KVPool(2, 32, HKV, BS, D, torch.bfloat16, device="cuda", cache_dtype="fp8")
+    assert fp8_scores_supported(pool, D) == (torch.cuda.get_device_capability() >= (8, 9))
+    assert not fp8_scores_supported(pool, 48)  # not a power of two
