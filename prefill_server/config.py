@@ -14,7 +14,8 @@ DECODE_ENGINES = ("auto", "vllm", "sglang")
 # a difference silently changes every answer), tokenize every prompt through the decode, or warn
 TOKENIZER_PARITY_POLICIES = ("refuse", "decode", "warn")
 QUANTIZATIONS = ("auto", "none", "fp8")
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's --kv-cache-dtype names we write (engine/kv_format.py)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+FP8_ATTENTION = ("auto", "on", "off")  # FP8 scores: with FP8 pages (vLLM's behaviour), always, never  # vLLM's --kv-cache-dtype names we write (engine/kv_format.py)
 DEFAULT_TRANSFER_TIMEOUT_S = 30.0  # connector mode; capped at the lease time unless set explicitly
 
 
@@ -24,7 +25,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     quantization: str = "auto"  # auto (the checkpoint's) | none | fp8: the decoder layers' projections in FP8
     kv_cache_dtype: str = "auto"  # auto | fp8 | fp8_e4m3: how KV pages are stored and sent (engine/kv_format.py)
-    fp8_attention: bool = True  # with FP8 pages on a GPU: attention scores from e4m3 q and k (engine/runner.py)
+    fp8_attention: str = "auto"  # FP8_ATTENTION: attention scores from e4m3 q and k on a GPU (engine/runner.py)
     device: str = "auto"  # auto | cpu | cuda[:N]
     block_size: int = 0  # tokens per KV block; 0 = the decode's (16 if it cannot be discovered)
     num_kv_blocks: int = 0  # 0 = size from kv_cache_gib
@@ -47,6 +48,8 @@ class EngineConfig:
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"--quantization must be {', '.join(QUANTIZATIONS)}, not {self.quantization!r}")
+        if self.fp8_attention not in FP8_ATTENTION:
+            raise ValueError(f"--fp8-attention must be {', '.join(FP8_ATTENTION)}, not {self.fp8_attention!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype must be {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}")
         if self.block_size not in (0, 1, 2, 4, 8, 16, 32, 64, 128, 256):

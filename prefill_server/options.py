@@ -20,9 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from prefill_server.config import (DECODE_ENGINES, DEFAULT_TRANSFER_TIMEOUT_S, FIRST_TOKEN_MODES, KV_CACHE_DTYPES,
-                                   QUANTIZATIONS, ROUTING_POLICIES, TOKENIZER_PARITY_POLICIES, TRANSFER_MODES,
-                                   ConnectorConfig, EngineConfig, NixlCompatConfig, PoolConfig, ServerConfig,
+from prefill_server.config import (DECODE_ENGINES, DEFAULT_TRANSFER_TIMEOUT_S, FIRST_TOKEN_MODES, FP8_ATTENTION,
+                                   KV_CACHE_DTYPES, QUANTIZATIONS, ROUTING_POLICIES, TOKENIZER_PARITY_POLICIES,
+                                   TRANSFER_MODES, ConnectorConfig, EngineConfig, NixlCompatConfig, PoolConfig, ServerConfig,
                                    SGLangConfig)
 
 GROUPS = {  # section -> --help title
@@ -98,13 +98,14 @@ OPTIONS: tuple[Option, ...] = (
          "calibrated KV scales is refused). vLLM decodes with --transfer-mode nixl-compat only; as a prefill "
          "instance behind a router, spell it as the decodes do (fp8 or fp8_e4m3: vLLM hashes the name)",
          choices=KV_CACHE_DTYPES),
-    _opt("--fp8-attention", "model", "engine.fp8_attention", "with --kv-cache-dtype fp8 on a GPU with FP8 "
-         "tensor cores (compute capability 8.9+; measured on the H100): attention scores from e4m3 q and k, as "
-         "vLLM's FlashAttention-3 computes them with an FP8 KV cache (q scale 1.0, the pages' k scale); p @ v "
-         "stays in --dtype. Applies to forward steps whose prompts all start in them (a later chunk of a long "
-         "prompt, a prefix-cache hit, a streamed prompt and --attention sparse's sparse layers keep --dtype "
-         "scores). Faster long prompts at FP8's rounding of the scores (docs/running.md, \"FP8\"); "
-         "--no-fp8-attention keeps them in --dtype. No effect on CPU", flag_only=True, negatable=True),
+    _opt("--fp8-attention", "model", "engine.fp8_attention", "attention scores from e4m3 q and k on a GPU with "
+         "FP8 tensor cores (compute capability 8.9+; measured on the H100), p @ v in --dtype. auto (default): "
+         "with --kv-cache-dtype fp8, as vLLM's FlashAttention-3 computes them with an FP8 KV cache (q scale 1.0, "
+         "the pages' k scale); on: with any pages, for speed alone; off: scores in --dtype. Applies to forward "
+         "steps whose prompts all start in them, a prompt alone in its step with --attention sparse, and a "
+         "streamed prompt (--transfer-mode connector); a later chunk of a long prompt and a prefix-cache hit "
+         "keep --dtype scores. Faster long prompts at FP8's rounding of the scores (docs/running.md, \"FP8\"). "
+         "No effect on CPU", choices=FP8_ATTENTION),
     _opt("--device", "model", "engine.device", "auto | cpu | cuda | cuda:N"),
     # engine
     _opt("--attention", "engine", "engine.attention", "sparse: block-sparse attention for prompts past 8K "

@@ -84,7 +84,7 @@ class DropProducer(LeaseProducer):
 
 
 def make_engine(model, cfg: ModelConfig, pool: KVPool, device, token_budget: int, max_num_seqs: int,
-                fp8_attention: bool = False) -> Engine:
+                fp8_attention: str = "off") -> Engine:
     runner = ModelRunner(model, pool, cfg.head_dim, device, fp8_attention=fp8_attention)
     return Engine(runner, pool, DropProducer(pool), max_model_len=cfg.max_position_embeddings * 8,
                   vocab_size=cfg.vocab_size, token_budget=token_budget, max_num_seqs=max_num_seqs,

@@ -42,7 +42,7 @@ from prefill_server.bench.common import (_sync, _version, bench_args, drive, int
                                          model_config, random_model)
 from prefill_server.bench.floor import Floor, matmul_peak
 from prefill_server.bench.gpu_clocks import ClockSampler
-from prefill_server.config import KV_CACHE_DTYPES
+from prefill_server.config import FP8_ATTENTION, KV_CACHE_DTYPES
 from prefill_server.engine.engine import Engine
 from prefill_server.engine.kv_pool import KVPool
 from prefill_server.engine.types import PrefillRequest
@@ -197,8 +197,8 @@ def parse_args(argv):
                     help="fp8: the projections in FP8, as serve --quantization fp8 (e2e: no floor, no check)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                     help="the KV pool's pages, as serve --kv-cache-dtype (fp8: e4m3 pages)")
-    ap.add_argument("--fp8-attention", action=argparse.BooleanOptionalAction, default=True,
-                    help="with --kv-cache-dtype fp8: FP8 scores, as serve --fp8-attention (the default)")
+    ap.add_argument("--fp8-attention", default="auto", choices=FP8_ATTENTION,
+                    help="FP8 scores, as serve --fp8-attention (auto: with --kv-cache-dtype fp8)")
     ap.add_argument("--fp8-exact-accum", action="store_true", help="FP8 GEMMs without use_fast_accum")
     ap.add_argument("--out", default="bench_e2e.json")
     args = ap.parse_args(argv)

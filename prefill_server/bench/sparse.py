@@ -11,7 +11,7 @@ import statistics
 import torch
 
 from prefill_server.bench.attention import fixed_mask
-from prefill_server.kernels.block_sparse import SparseConfig, build_layout, plan, plan_from_mask
+from prefill_server.kernels.block_sparse import SparseConfig, build_layout, plan_from_mask
 from prefill_server.kernels.block_sparse.layout import slot_geometry
 from prefill_server.layers.sparse import SparseAttention
 
@@ -44,12 +44,9 @@ class BenchSparse(SparseAttention):
         self.mask_density[tokens] = p.density()
         self._fixed[(tokens, tokens)] = p
 
-    def attend(self, layer, q, k, v, scale):
-        cu_q = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
-        cu_k = torch.tensor([0, k.shape[0]], dtype=torch.int32, device=q.device)
-        p = plan(q, k, cu_q, cu_k, self.config, layer=layer, scale=scale)
+    def run(self, layer, p, q, k, v, qk_descale=1.0):
         if p.dense:
-            return p.run(q, k, v)[0]
+            return p.run(q, k, v, qk_descale=qk_descale)[0]
         key = (q.shape[0], k.shape[0])
         if key not in self._geo:
             lo, hi, valid = slot_geometry(p.layout)
@@ -58,10 +55,10 @@ class BenchSparse(SparseAttention):
                               k.shape[1])
         self._kept.append((layer, key, p.cnt.sum()))
         if self.density is None:
-            return p.run(q, k, v)[0]
+            return p.run(q, k, v, qk_descale=qk_descale)[0]
         if key not in self._fixed:  # (not prepared: built here, inside the timed run)
             self.prepare(k.shape[0], k.shape[1], q.shape[2], q.device)
-        return self._fixed[key].run(q, k, v)[0]
+        return self._fixed[key].run(q, k, v, qk_descale=qk_descale)[0]
 
     def take_densities(self) -> dict:
         """Estimator density per sparse layer of the last run(s): computed causal blocks (kept +

@@ -180,6 +180,8 @@ def parse_args(argv):
     ap.add_argument("--chunk-tokens", type=int, default=0, help="model.chunk_tokens (0 = the model's default)")
     ap.add_argument("--quantization", default="none", choices=("none", "fp8"),
                     help="fp8: the projections in FP8, as serve --quantization fp8 (e2e: no floor, no check)")
+    ap.add_argument("--fp8-attention", default="off", choices=("off", "on"),
+                    help="on: FP8 scores (as serve --fp8-attention on: the pages stay bf16 here)")
     ap.add_argument("--out", default="bench_stream.json")
     a = ap.parse_args(argv)
     a.lengths, a.estimator_lengths, a.long = ints(a.lengths), ints(a.estimator_lengths), ints(a.long)
@@ -225,7 +227,8 @@ def run(args) -> dict:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "cuda": torch.version.cuda, "triton": _version("triton"),
         "nixl": {d: _dist_version(d) for d in ("nixl-cu12", "nixl-cu13")}, "preset": args.preset, "dtype": args.dtype,
-        "quantization": args.quantization, "chunk_tokens": args.chunk_tokens or None,
+        "quantization": args.quantization, "fp8_attention": args.fp8_attention,
+        "chunk_tokens": args.chunk_tokens or None,
         "block_size": args.block_size, "sparse_config": dataclasses.asdict(scfg),
         "kernel_sha1": {f: _file_sha(os.path.join(kdir, f)) for f in ("api.py", "kernel.py", "estimate.py")},
         "env": {k: os.environ.get(k, "(unset)") for k in ("UCX_TLS", "UCX_MEMTYPE_CACHE", "UCX_MODULE_DIR",
@@ -265,7 +268,8 @@ def run(args) -> dict:
 
     def engine(pl, producer):
         stream_to = producer if Route.STREAM in producer.routes else None
-        return Engine(ModelRunner(model, pl, cfg.head_dim, device, stream_to=stream_to), pl, producer, **mk)
+        runner = ModelRunner(model, pl, cfg.head_dim, device, stream_to=stream_to, fp8_attention=args.fp8_attention)
+        return Engine(runner, pl, producer, **mk)
 
     engines = {"none": engine(pool, DropProducer(pool)), "null-push": engine(stage, NullPush())}
     receiver = None

@@ -123,10 +123,10 @@ def make_pool(cfg: EngineConfig, m: LoadedModel, block_size: int | None = None) 
 
 
 def make_runner(m: LoadedModel, pool: KVPool, attention: str = "dense",
-                stream_to: StreamProducer | None = None, fp8_attention: bool = False) -> ModelRunner:
+                stream_to: StreamProducer | None = None, fp8_attention: str = "off") -> ModelRunner:
     """attention: "dense", or "sparse" (block-sparse for sequences past the dense threshold).
     stream_to: the producer STREAM requests' layers are written through (connector mode).
-    fp8_attention: FP8 scores with FP8 pages on a GPU that has them (``ModelRunner``)."""
+    fp8_attention: ``--fp8-attention`` (auto | on | off; ``ModelRunner``)."""
     sparse = None
     if attention == "sparse":
         from prefill_server.layers.sparse import SparseAttention

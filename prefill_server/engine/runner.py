@@ -35,11 +35,14 @@ from prefill_server.layers.attention import dense_attention
 FP8_SCORES_BLOCK = 128
 
 
-def fp8_scores_supported(pool: KVPool, head_dim: int) -> bool:
-    """FP8 scores run here: FP8 pages of a bf16 / fp16 model, a CUDA device with FP8 tensor cores
-    (compute capability 8.9+), Triton, and a head_dim the kernel takes (a power of two, 32 to 256: FP8 dots need K >= 32)."""
-    if (not pool.format.quantized or pool.device.type != "cuda" or head_dim & (head_dim - 1)
-            or not 32 <= head_dim <= 256 or pool.compute_dtype not in (torch.bfloat16, torch.float16)):
+def fp8_scores_wanted(setting: str, pool: KVPool, head_dim: int) -> bool:
+    """``--fp8-attention`` (auto: with FP8 pages, as vLLM; on; off) where FP8 scores run: a bf16 / fp16
+    model on a CUDA device with FP8 tensor cores (compute capability 8.9+), Triton, and a head_dim the
+    kernel takes (a power of two, 32 to 256: FP8 dots need K >= 32)."""
+    if setting == "off" or (setting == "auto" and not pool.format.quantized):
+        return False
+    if (pool.device.type != "cuda" or head_dim & (head_dim - 1) or not 32 <= head_dim <= 256
+            or pool.compute_dtype not in (torch.bfloat16, torch.float16)):
         return False
     try:
         import triton  # noqa: F401
@@ -120,17 +123,19 @@ class _Stream:
 class PagedAttention:
     """The ``attn(layer, q, k, v)`` callable the model calls at each layer for one step.
 
-    FP8 scores (``fp8_scores``): with FP8 pages, a step of whole prompts (nothing read back from the
-    pool, not streamed) attends on CUDA with q and k as e4m3 codes, as vLLM's FlashAttention-3 does
-    with an FP8 KV cache (q_scale 1.0, the pages' k_scale): one launch of our kernel for the step's
-    packed prompts, QK^T at the FP8 tensor-core rate, ``p @ v`` in the model dtype."""
+    FP8 scores (``fp8_scores``, ``ModelRunner``'s fp8_attention): a step of prompts that all start in
+    it (nothing read back from the pool; a streamed one without a cached head) attends on CUDA with q
+    and k as e4m3 codes, as vLLM's FlashAttention-3 does with an FP8 KV cache (q_scale 1.0, the pages'
+    k_scale): one launch of our kernel for the step's packed prompts, QK^T at the FP8 tensor-core rate,
+    ``p @ v`` in the model dtype; a layer that sparse attention takes, for a prompt alone in its step,
+    through ``SparseAttention.attend`` with the codes."""
 
     def __init__(self, pool: KVPool, slices: list[_SeqSlice], scale: float, sparse=None,
                  stream: _Stream | None = None, fp8_scores: bool = False):
         self.pool, self.slices, self.scale, self.sparse = pool, slices, scale, sparse
         self.stream = stream
         self._fp8 = None  # (q_scale, k_scale) when this step may take FP8 scores
-        if fp8_scores and stream is None and all(s.start == 0 for s in slices):
+        if fp8_scores and all(s.start == 0 for s in slices):  # (a streamed prompt with a cached head starts later)
             self._fp8, self._layout = (1.0, pool.format.k_scale), None
         if stream is None:
             blocks, offsets = zip(*(pool.slot_mapping(s.block_ids, s.start, s.end) for s in slices))
@@ -140,10 +145,12 @@ class PagedAttention:
 
     def fp8_scores(self, layer: int) -> tuple[float, float] | None:
         """(q_scale, k_scale) when layer ``layer`` takes q and k as e4m3 codes (``__call__``'s k8)."""
-        if self._fp8 is None or (self.sparse is not None
-                                 and any(self.sparse.wants(layer, s.end) for s in self.slices)):
+        if self._fp8 is None or (len(self.slices) > 1 and self._sparse_wants(layer)):
             return None
         return self._fp8
+
+    def _sparse_wants(self, layer: int) -> bool:
+        return self.sparse is not None and any(self.sparse.wants(layer, s.end) for s in self.slices)
 
     def _attend_fp8(self, q8: torch.Tensor, k8: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q8 [T, Hq, D], k8 [T, Hkv, D] e4m3, v [T, Hkv, D] -> o [T, Hq, D], causal per prompt."""
@@ -164,7 +171,13 @@ class PagedAttention:
                  k8: torch.Tensor | None = None) -> torch.Tensor:
         # q [T, Hq, D], k/v [T, Hkv, D] -> o [T, Hq, D]; with k8 (fp8_scores): q and k8 e4m3 codes
         if k8 is not None:
-            self.pool.write(layer, self.blocks, self.offsets, k, v)
+            if self.stream is not None:
+                self.stream.write(self.pool, layer, k, v)
+            else:
+                self.pool.write(layer, self.blocks, self.offsets, k, v)
+            if self._sparse_wants(layer):  # a prompt alone in its step (fp8_scores)
+                qs, ks = self._fp8
+                return self.sparse.attend(layer, q, k, v, self.scale, k8=k8, qk_descale=qs * ks)
             return self._attend_fp8(q, k8, v)
         if self.stream is not None:  # one whole prompt (past a cached head): K/V to staging
             self.stream.write(self.pool, layer, k, v)
@@ -192,11 +205,12 @@ class PagedAttention:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, pool: KVPool, head_dim: int, device: torch.device,
-                 sparse=None, stream_to: StreamProducer | None = None, fp8_attention: bool = False):
-        """fp8_attention: FP8 scores where ``PagedAttention`` allows them (``fp8_scores_supported``)."""
+                 sparse=None, stream_to: StreamProducer | None = None, fp8_attention: str = "off"):
+        """fp8_attention: ``--fp8-attention`` (auto | on | off): FP8 scores where they run
+        (``fp8_scores_wanted``) and ``PagedAttention`` allows them."""
         self.model, self.pool, self.device = model, pool, device
         self.scale = head_dim ** -0.5
-        self.fp8_attention = fp8_attention and fp8_scores_supported(pool, head_dim)
+        self.fp8_attention = fp8_scores_wanted(fp8_attention, pool, head_dim)
         self.sparse = sparse
         self.stream_to = stream_to  # where STREAM prompts' layers are written (connector mode)
         # small steps of one chunk past a cached head as CUDA graphs (None off CUDA; graphs.py)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from prefill_server.engine.kv_pool import KVPool
-from prefill_server.engine.runner import PagedAttention, _SeqSlice, fp8_scores_supported
+from prefill_server.engine.runner import PagedAttention, _SeqSlice, fp8_scores_wanted
 from prefill_server.layers.fp8 import to_e4m3
 
 HQ, HKV, D, BS = 8, 2, 64, 16
@@ -57,6 +57,32 @@ def test_a_step_of_whole_prompts_attends_on_fp8_codes(triton_device):
         assert torch.equal(pv.cpu(), fmt.load(fmt.store(v[s.q_start:s.q_end], fmt.v_scale), fmt.v_scale))
 
 
+def test_a_prompt_alone_takes_fp8_scores_in_its_sparse_layers(triton_device):
+    """Sparse attention with FP8 scores: the estimator reads q's codes as its values (scale 1.0), the
+    kernel computes on the codes; the same as planning and running on the dequantized values."""
+    from prefill_server.kernels.block_sparse import SparseConfig, plan
+    from prefill_server.layers.sparse import SparseAttention
+    dt = torch.bfloat16 if triton_device.type == "cuda" else torch.float16
+    n, dev = 600, triton_device
+    cfg = SparseConfig(block_size=32, q_pool=16, dense_len_threshold=64, dense_first_layers=0, probe_queries=0,
+                       local_blocks=1, threshold=1.0, backend="triton")  # (random data: a high bar to skip)
+    pool = KVPool(2, 64, HKV, BS, D, dt, device=dev)
+    (s,) = slices = slices_of([n])
+    attn = PagedAttention(pool, slices, D ** -0.5, SparseAttention(cfg), fp8_scores=True)
+    assert attn.fp8_scores(1) == (1.0, 1.0)  # a prompt alone: its sparse layers too
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(n, h, D, generator=g).to(dt).to(dev) for h in (HQ, HKV, HKV))
+    q8, k8 = to_e4m3(q), to_e4m3(k)
+    o = attn(1, q8, k, v, k8=k8)
+    cu = torch.tensor([0, n], dtype=torch.int32, device=dev)
+    p = plan(q8.to(dt), k, cu, cu, cfg, layer=1, scale=D ** -0.5)
+    assert not p.dense and p.density() < 0.9  # some blocks skipped: the sparse path ran
+    ref = p.run(q8.to(dt), k8.to(dt), v)[0]
+    assert rel_l2(o, ref) < 1e-2
+    pk, _ = pool.read(1, s.block_ids, n)
+    assert torch.equal(pk, k)  # bf16 pages (--fp8-attention on): the values themselves
+
+
 class _SparseFrom:
     """Sparse attention's ``wants`` as ``SparseAttention`` answers it: past a length."""
 
@@ -75,14 +101,17 @@ def test_steps_that_keep_the_model_dtype():
     # a layer that sparse attention takes keeps its own path; shorter prompts' layers take FP8 scores
     assert PagedAttention(pool, slices_of([40, 200]), 0.1, _SparseFrom(100), fp8_scores=True).fp8_scores(0) is None
     assert PagedAttention(pool, slices_of([40, 60]), 0.1, _SparseFrom(100), fp8_scores=True).fp8_scores(0) == (1.0, 1.0)
-    # never on the CPU, nor without FP8 pages
-    assert not fp8_scores_supported(pool, D)
+    # never on the CPU; auto: only with FP8 pages (vLLM's behaviour), on: with any pages
+    assert not any(fp8_scores_wanted(w, pool, D) for w in ("auto", "on", "off"))
     if torch.cuda.is_available():
-        assert not fp8_scores_supported(KVPool(2, 32, HKV, BS, D, torch.bfloat16, device="cuda"), D)
+        bf16 = KVPool(2, 32, HKV, BS, D, torch.bfloat16, device="cuda")
+        assert not fp8_scores_wanted("auto", bf16, D) and not fp8_scores_wanted("off", bf16, D)
 
 
 @pytest.mark.gpu
 def test_fp8_scores_on_a_gpu_with_fp8_pages():
     pool = KVPool(2, 32, HKV, BS, D, torch.bfloat16, device="cuda", cache_dtype="fp8")
-    assert fp8_scores_supported(pool, D) == (torch.cuda.get_device_capability() >= (8, 9))
-    assert not fp8_scores_supported(pool, 48)  # not a power of two
+    bf16 = KVPool(2, 32, HKV, BS, D, torch.bfloat16, device="cuda")
+    fp8_cores = torch.cuda.get_device_capability() >= (8, 9)
+    assert fp8_scores_wanted("auto", pool, D) == fp8_cores and fp8_scores_wanted("on", bf16, D) == fp8_cores
+    assert not fp8_scores_wanted("auto", pool, 48)  # not a power of two

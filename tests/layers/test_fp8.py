@@ -266,7 +266,7 @@ def test_gpu_engine_with_fp8_pages_takes_fp8_scores():
 
     scale = cfg.head_dim ** -0.5
     pool = KVPool(1, 4, cfg.num_kv_heads, 16, cfg.head_dim, torch.bfloat16, dev, cache_dtype="fp8")
-    assert ModelRunner(model, pool, cfg.head_dim, dev, fp8_attention=True).fp8_attention
+    assert ModelRunner(model, pool, cfg.head_dim, dev, fp8_attention="auto").fp8_attention
     fp8_logits, fp8_k = step(lambda pool, sl: PagedAttention(pool, sl, scale, fp8_scores=True))
     ref_logits, ref_k = step(lambda pool, sl: RoundedScores(pool, sl, scale))
     bf_logits, _ = step(lambda pool, sl: PagedAttention(pool, sl, scale))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device call (issue 20): FP8 scores in the engine (--kv-cache-dtype fp8, --fp8-attention), 64 x 8K.
 # The GPU tests of the changed code, then bench e2e throughput in one call: bf16; FP8 linear with
-# bf16 pages; FP8 linear + FP8 pages with bf16 scores (--no-fp8-attention); FP8 linear + FP8 pages
+# bf16 pages; FP8 linear + FP8 pages with bf16 scores (--fp8-attention off); FP8 linear + FP8 pages
 # + FP8 scores (the default). About 6 minutes.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -21,7 +21,7 @@ run() {  # name, flags
 }
 run none --quantization none
 run fp8 --quantization fp8
-run fp8_kv8 --quantization fp8 --kv-cache-dtype fp8 --no-fp8-attention --profile-throughput 8
+run fp8_kv8 --quantization fp8 --kv-cache-dtype fp8 --fp8-attention off --profile-throughput 8
 run fp8_kv8_qk8 --quantization fp8 --kv-cache-dtype fp8 --profile-throughput 8
 python3 - "$out" <<'PY'
 import json, sys, pathlib

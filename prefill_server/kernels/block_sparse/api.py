@@ -150,13 +150,16 @@ class Plan:
         return reference.density(self.block_mask, self.layout)
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, out: torch.Tensor | None = None,
-            lse: torch.Tensor | None = None):
-        """-> (out [Tq, Hq, D] q.dtype, lse [Tq, Hq] float32, natural log). ``out``/``lse``: optional
-        preallocated outputs (triton backend writes them in place)."""
+            lse: torch.Tensor | None = None, qk_descale: float = 1.0):
+        """-> (out [Tq, Hq, D] v.dtype, lse [Tq, Hq] float32, natural log). ``out``/``lse``: optional
+        preallocated outputs (triton backend writes them in place). q and k may be e4m3 codes whose
+        dot products times ``qk_descale`` are the scores (``kernel.attention``'s FP8 scores)."""
         _check(q, k, v)
         if k.shape[1] != self.num_kv_heads:
             raise ValueError(f"plan was made for {self.num_kv_heads} KV heads, k has {k.shape[1]}")
         if self.backend == "torch":
+            if q.dtype == torch.float8_e4m3fn:  # the codes' values: what the kernel computes with
+                q, k = q.to(v.dtype) * qk_descale, k.to(v.dtype)
             sel = None if self.dense else self.block_mask
             o, l = (reference.dense_attention(q, k, v, self.layout, self.scale) if self.dense
                     else reference.attention(q, k, v, self.layout, sel, self.scale))
@@ -169,7 +172,7 @@ class Plan:
             return o, l
         from . import kernel
         return kernel.attention(q, k, v, self.layout, self.idx, self.cnt, self.scale, dense=self.dense,
-                                sched_cache=self._sched, out=out, lse=lse)
+                                sched_cache=self._sched, out=out, lse=lse, qk_descale=qk_descale)
 
 
 def _check(q, k, v=None):
