@@ -101,11 +101,12 @@ OPTIONS: tuple[Option, ...] = (
     _opt("--fp8-attention", "model", "engine.fp8_attention", "attention scores from e4m3 q and k on a GPU with "
          "FP8 tensor cores (compute capability 8.9+; measured on the H100), p @ v in --dtype. auto (default): "
          "with --kv-cache-dtype fp8, as vLLM's FlashAttention-3 computes them with an FP8 KV cache (q scale 1.0, "
-         "the pages' k scale); on: with any pages, for speed alone; off: scores in --dtype. Applies to forward "
-         "steps whose prompts all start in them, a prompt alone in its step with --attention sparse, and a "
-         "streamed prompt (--transfer-mode connector); a later chunk of a long prompt and a prefix-cache hit "
-         "keep --dtype scores. Faster long prompts at FP8's rounding of the scores (docs/running.md, \"FP8\"). "
-         "No effect on CPU", choices=FP8_ATTENTION),
+         "the pages' k scale); on: with any pages, for speed alone; off: scores in --dtype. Dense layers take them "
+         "(later chunks of a prompt longer than --token-budget and prefix-cache hits read their earlier keys "
+         "back as codes; with on, a small step past a cached head replayed as a CUDA graph keeps --dtype "
+         "scores); sparse layers (--attention sparse) for a prompt alone in its step that starts "
+         "there; a streamed prompt (--transfer-mode connector) unless it has a cached head. Faster long prompts "
+         "at FP8's rounding of the scores (docs/running.md, \"FP8\"). No effect on CPU", choices=FP8_ATTENTION),
     _opt("--device", "model", "engine.device", "auto | cpu | cuda | cuda:N"),
     # engine
     _opt("--attention", "engine", "engine.attention", "sparse: block-sparse attention for prompts past 8K "

@@ -36,6 +36,7 @@ from prefill_server.engine.kv_format import KVFormat, canonical
 from prefill_server.engine.prefix_cache import PrefixCache
 from prefill_server.errors import PoolExhausted
 from prefill_server.layers import fused
+from prefill_server.layers.fp8 import to_e4m3
 
 
 @dataclass
@@ -297,11 +298,12 @@ class KVPool:
         return table.to(self.device)  # the pinned block until the copy is done)
 
     def read(self, layer: int, block_ids: list[int] | None, num_tokens: int,
-             table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             table: torch.Tensor | None = None, k_codes: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of the first num_tokens tokens of a request: each [T, H, D] in the compute dtype
         (views of one copy; from FP8 pages, dequantized copies).
         table: ``block_table(block_ids, n)`` for some n >= num_tokens, made once for many reads
-        (block_ids is then not looked at)."""
+        (block_ids is then not looked at). k_codes: K as e4m3 codes of K / k_scale instead (attention's
+        FP8 scores): FP8 pages' own bytes, or the codes of pages in the model's dtype (k_scale 1.0)."""
         if table is None:
             table = self.block_table(block_ids, num_tokens)
         idx = table[: self.blocks_needed(num_tokens)]
@@ -311,7 +313,12 @@ class KVPool:
             pages = self.kv[layer].index_select(0, idx)
             flat = pages.permute(0, 2, 1, 3).reshape(-1, self.num_kv_heads, 2 * self.head_dim)
         flat, f = flat[:num_tokens], self.format
-        return f.load(flat[..., : self.head_dim], f.k_scale), f.load(flat[..., self.head_dim:], f.v_scale)
+        k = flat[..., : self.head_dim]
+        if k_codes:
+            k = k if f.quantized else to_e4m3(k, f.k_scale)
+        else:
+            k = f.load(k, f.k_scale)
+        return k, f.load(flat[..., self.head_dim:], f.v_scale)
 
     # ---- leases ----
     def lease(self, request_id: str, block_ids: list[int], ttl_s: float, num_tokens: int = 0,

@@ -123,20 +123,22 @@ class _Stream:
 class PagedAttention:
     """The ``attn(layer, q, k, v)`` callable the model calls at each layer for one step.
 
-    FP8 scores (``fp8_scores``, ``ModelRunner``'s fp8_attention): a step of prompts that all start in
-    it (nothing read back from the pool; a streamed one without a cached head) attends on CUDA with q
-    and k as e4m3 codes, as vLLM's FlashAttention-3 does with an FP8 KV cache (q_scale 1.0, the pages'
-    k_scale): one launch of our kernel for the step's packed prompts, QK^T at the FP8 tensor-core rate,
-    ``p @ v`` in the model dtype; a layer that sparse attention takes, for a prompt alone in its step,
-    through ``SparseAttention.attend`` with the codes."""
+    FP8 scores (``fp8_scores``, ``ModelRunner``'s fp8_attention): on CUDA, q and k as e4m3 codes, as
+    vLLM's FlashAttention-3 does with an FP8 KV cache (q_scale 1.0, the pages' k_scale), QK^T at the
+    FP8 tensor-core rate, ``p @ v`` in the model dtype. A step of prompts that all start in it: one
+    launch of our kernel over the packed prompts (a streamed prompt: without a cached head); a layer
+    that sparse attention takes, for a prompt alone in its step, through ``SparseAttention.attend``
+    with the codes. A step with later chunks (or prefix-cache hits): one launch per chunk over its
+    keys read back as codes (FP8 pages' own bytes), dense layers only."""
 
     def __init__(self, pool: KVPool, slices: list[_SeqSlice], scale: float, sparse=None,
                  stream: _Stream | None = None, fp8_scores: bool = False):
         self.pool, self.slices, self.scale, self.sparse = pool, slices, scale, sparse
         self.stream = stream
         self._fp8 = None  # (q_scale, k_scale) when this step may take FP8 scores
-        if fp8_scores and all(s.start == 0 for s in slices):  # (a streamed prompt with a cached head starts later)
-            self._fp8, self._layout = (1.0, pool.format.k_scale), None
+        self._whole = all(s.start == 0 for s in slices)  # every prompt starts in this step
+        if fp8_scores and (stream is None or self._whole):  # (not a streamed prompt past a cached head)
+            self._fp8, self._layout, self._chunk_layouts = (1.0, pool.format.k_scale), None, {}
         if stream is None:
             blocks, offsets = zip(*(pool.slot_mapping(s.block_ids, s.start, s.end) for s in slices))
             self.blocks, self.offsets = torch.cat(blocks), torch.cat(offsets)  # [T] each
@@ -145,7 +147,7 @@ class PagedAttention:
 
     def fp8_scores(self, layer: int) -> tuple[float, float] | None:
         """(q_scale, k_scale) when layer ``layer`` takes q and k as e4m3 codes (``__call__``'s k8)."""
-        if self._fp8 is None or (len(self.slices) > 1 and self._sparse_wants(layer)):
+        if self._fp8 is None or ((len(self.slices) > 1 or not self._whole) and self._sparse_wants(layer)):
             return None
         return self._fp8
 
@@ -167,6 +169,29 @@ class PagedAttention:
         return kernel.attention(q8, k8, v, self._layout, None, None, self.scale, dense=True,
                                 qk_descale=qs * ks)[0]
 
+    def _attend_fp8_chunks(self, layer: int, q8: torch.Tensor, k8: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """As ``_attend_fp8`` for a step with later chunks: each chunk's queries against its prompt's
+        keys [0, end), the earlier ones read back from the pool as codes; one launch per chunk."""
+        from prefill_server.kernels.block_sparse import kernel
+        from prefill_server.kernels.block_sparse.layout import build_layout
+
+        qs, ks = self._fp8
+        out = torch.empty(q8.shape, dtype=v.dtype, device=q8.device)
+        for i, (s, table) in enumerate(zip(self.slices, self.tables)):
+            if s.start == 0:
+                kc, vc = k8[s.q_start:s.q_end], v[s.q_start:s.q_end]
+            else:  # this chunk's keys were written above: [0, end) all come from the pool
+                kc, vc = self.pool.read(layer, s.block_ids, s.end, table=table, k_codes=True)
+                vc = vc.to(v.dtype)
+            layout = self._chunk_layouts.get(i)
+            if layout is None:  # once per step
+                cq = torch.tensor([0, s.q_end - s.q_start], dtype=torch.int32).to(q8.device)
+                ck = torch.tensor([0, s.end], dtype=torch.int32).to(q8.device)
+                layout = self._chunk_layouts[i] = build_layout(cq, ck, s.q_end - s.q_start, s.end, FP8_SCORES_BLOCK)
+            kernel.attention(q8[s.q_start:s.q_end], kc, vc, layout, None, None, self.scale, dense=True,
+                             qk_descale=qs * ks, out=out[s.q_start:s.q_end])
+        return out
+
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k8: torch.Tensor | None = None) -> torch.Tensor:
         # q [T, Hq, D], k/v [T, Hkv, D] -> o [T, Hq, D]; with k8 (fp8_scores): q and k8 e4m3 codes
@@ -175,10 +200,12 @@ class PagedAttention:
                 self.stream.write(self.pool, layer, k, v)
             else:
                 self.pool.write(layer, self.blocks, self.offsets, k, v)
-            if self._sparse_wants(layer):  # a prompt alone in its step (fp8_scores)
+            if self._sparse_wants(layer):  # a prompt alone in its step, whole (fp8_scores)
                 qs, ks = self._fp8
                 return self.sparse.attend(layer, q, k, v, self.scale, k8=k8, qk_descale=qs * ks)
-            return self._attend_fp8(q, k8, v)
+            if self._whole:
+                return self._attend_fp8(q, k8, v)
+            return self._attend_fp8_chunks(layer, q, k8, v)
         if self.stream is not None:  # one whole prompt (past a cached head): K/V to staging
             self.stream.write(self.pool, layer, k, v)
             ks, vs = self.stream.context(self.pool, layer, k, v)

@@ -83,6 +83,43 @@ def test_a_prompt_alone_takes_fp8_scores_in_its_sparse_layers(triton_device):
     assert torch.equal(pk, k)  # bf16 pages (--fp8-attention on): the values themselves
 
 
+@pytest.mark.parametrize("cache_dtype", ["fp8", "auto"])
+def test_a_step_with_a_later_chunk_attends_on_fp8_codes(triton_device, cache_dtype):
+    """A whole prompt and a later chunk of another in one step: the chunk's queries attend to its
+    prompt's keys [0, end) read back from the pool as codes (FP8 pages' bytes, or the codes of
+    bf16 pages: --fp8-attention on), bottom-right causal."""
+    dt = torch.bfloat16 if triton_device.type == "cuda" else torch.float16
+    dev = triton_device
+    pool = KVPool(2, 32, HKV, BS, D, dt, device=dev, cache_dtype=cache_dtype)
+    g = torch.Generator().manual_seed(2)
+    earlier = [torch.randn(64, HKV, D, generator=g).to(dt).to(dev) for _ in range(2)]  # prompt 2's first chunk
+    whole = _SeqSlice(0, 40, 0, 40, list(range(0, 3)))
+    later = _SeqSlice(40, 90, 64, 114, list(range(3, 11)))
+    b, o = pool.slot_mapping(later.block_ids, 0, 64)
+    pool.write(1, b, o, *earlier)
+    attn = PagedAttention(pool, [whole, later], D ** -0.5, fp8_scores=True)
+    assert attn.fp8_scores(1) == (1.0, pool.format.k_scale)
+    q, k, v = (torch.randn(90, h, D, generator=g).to(dt).to(dev) for h in (HQ, HKV, HKV))
+    q8, k8 = to_e4m3(q), to_e4m3(k)
+    out = attn(1, q8, k, v, k8=k8)
+    assert out.shape == (90, HQ, D) and not torch.isnan(out).any()
+    fmt = pool.format
+
+    def as_read(x):  # what the pool gives back for K / V written in the model dtype
+        return fmt.load(fmt.store(x, 1.0), 1.0)
+    cases = ((whole, q8[:40], k8[:40].float(), v[:40].float()),
+             (later, q8[40:], torch.cat([as_read(earlier[0]), as_read(k[40:])]).float(),
+              torch.cat([as_read(earlier[1]), as_read(v[40:])]).float()))
+    for s, qs, ks, vs in cases:
+        ks = to_e4m3(ks).float()  # (e4m3 values: their codes are themselves)
+        nq, nk = qs.shape[0], ks.shape[0]
+        allowed = torch.arange(nk, device=dev)[None, :] <= torch.arange(nq, device=dev)[:, None] + (nk - nq)
+        ref = F.scaled_dot_product_attention(qs.float().transpose(0, 1)[None], ks.transpose(0, 1)[None],
+                                             vs.transpose(0, 1)[None], attn_mask=allowed, scale=D ** -0.5,
+                                             enable_gqa=True)[0].transpose(0, 1)
+        assert rel_l2(out[s.q_start:s.q_end].cpu(), ref.cpu()) < 1e-2
+
+
 class _SparseFrom:
     """Sparse attention's ``wants`` as ``SparseAttention`` answers it: past a length."""
 
@@ -96,8 +133,9 @@ class _SparseFrom:
 def test_steps_that_keep_the_model_dtype():
     pool = KVPool(2, 32, HKV, BS, D, torch.float16, device="cpu", cache_dtype="fp8")
     assert PagedAttention(pool, slices_of([40]), 0.1, fp8_scores=False).fp8_scores(0) is None
-    # a later chunk reads earlier keys back from the pool: not one packed causal launch
-    assert PagedAttention(pool, slices_of([40], start=32), 0.1, fp8_scores=True).fp8_scores(0) is None
+    # a later chunk takes them in dense layers only (its keys read back from the pool)
+    assert PagedAttention(pool, slices_of([40], start=32), 0.1, fp8_scores=True).fp8_scores(0) == (1.0, 1.0)
+    assert PagedAttention(pool, slices_of([40], start=80), 0.1, _SparseFrom(100), fp8_scores=True).fp8_scores(0) is None
     # a layer that sparse attention takes keeps its own path; shorter prompts' layers take FP8 scores
     assert PagedAttention(pool, slices_of([40, 200]), 0.1, _SparseFrom(100), fp8_scores=True).fp8_scores(0) is None
     assert PagedAttention(pool, slices_of([40, 60]), 0.1, _SparseFrom(100), fp8_scores=True).fp8_scores(0) == (1.0, 1.0)
