@@ -19,6 +19,7 @@ host's launch time.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,7 @@ from prefill_server.engine.graphs import NOT_RUN, StepGraphs
 from prefill_server.engine.kv_pool import KVPool
 from prefill_server.engine.scheduler import Chunk, Scheduler, Sequence
 from prefill_server.errors import RequestCancelled
+from prefill_server.layers import fp8
 from prefill_server.layers.attention import dense_attention
 
 
@@ -37,18 +39,12 @@ FP8_SCORES_BLOCK = 128
 
 def fp8_scores_wanted(setting: str, pool: KVPool, head_dim: int) -> bool:
     """``--fp8-attention`` (auto: with FP8 pages, as vLLM; on; off) where FP8 scores run: a bf16 / fp16
-    model on a CUDA device with FP8 tensor cores (compute capability 8.9+), Triton, and a head_dim the
-    kernel takes (a power of two, 32 to 256: FP8 dots need K >= 32)."""
+    model on a device with FP8 tensor cores, and a head_dim the kernel takes (a power of two, 32 to 256:
+    FP8 dots need K >= 32). (The codes come from the fused rope pass: without Triton there are none.)"""
     if setting == "off" or (setting == "auto" and not pool.format.quantized):
         return False
-    if (pool.device.type != "cuda" or head_dim & (head_dim - 1) or not 32 <= head_dim <= 256
-            or pool.compute_dtype not in (torch.bfloat16, torch.float16)):
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.get_device_capability(pool.device) >= (8, 9)
+    return (fp8.has_fp8_tensor_cores(pool.device) and not head_dim & (head_dim - 1) and 32 <= head_dim <= 256
+            and pool.compute_dtype in (torch.bfloat16, torch.float16))
 
 
 @dataclass
@@ -138,7 +134,7 @@ class PagedAttention:
         self._fp8 = None  # (q_scale, k_scale) when this step may take FP8 scores
         self._whole = all(s.start == 0 for s in slices)  # every prompt starts in this step
         if fp8_scores and (stream is None or self._whole):  # (not a streamed prompt past a cached head)
-            self._fp8, self._layout, self._chunk_layouts = (1.0, pool.format.k_scale), None, {}
+            self._fp8, self._layouts = (1.0, pool.format.k_scale), {}
         if stream is None:
             blocks, offsets = zip(*(pool.slot_mapping(s.block_ids, s.start, s.end) for s in slices))
             self.blocks, self.offsets = torch.cat(blocks), torch.cat(offsets)  # [T] each
@@ -154,42 +150,39 @@ class PagedAttention:
     def _sparse_wants(self, layer: int) -> bool:
         return self.sparse is not None and any(self.sparse.wants(layer, s.end) for s in self.slices)
 
-    def _attend_fp8(self, q8: torch.Tensor, k8: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q8 [T, Hq, D], k8 [T, Hkv, D] e4m3, v [T, Hkv, D] -> o [T, Hq, D], causal per prompt."""
+    def _attend_codes(self, key, q8: torch.Tensor, k8: torch.Tensor, v: torch.Tensor, q_lens: list[int],
+                      k_lens: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """Our kernel, dense, on e4m3 q8 [Tq, Hq, D] and k8 [Tk, Hkv, D]: the packed sequences of
+        these lengths, each query chunk bottom-right causal on its keys -> [Tq, Hq, D] in v's dtype.
+        The layout is built once per step (``key``) and kept for the other layers."""
         from prefill_server.kernels.block_sparse import kernel
         from prefill_server.kernels.block_sparse.layout import build_layout
 
-        if self._layout is None:  # once per step: the packed prompts' boundaries
-            cu = [0]
-            for s in self.slices:
-                cu.append(cu[-1] + s.end)
-            cu_t = torch.tensor(cu, dtype=torch.int32).to(q8.device)
-            self._layout = build_layout(cu_t, cu_t, q8.shape[0], k8.shape[0], FP8_SCORES_BLOCK)
+        layout = self._layouts.get(key)
+        if layout is None:
+            cq, ck = ([0, *itertools.accumulate(n)] for n in (q_lens, k_lens))
+            cq, ck = (torch.tensor(c, dtype=torch.int32).to(q8.device) for c in (cq, ck))
+            layout = self._layouts[key] = build_layout(cq, ck, q8.shape[0], k8.shape[0], FP8_SCORES_BLOCK)
         qs, ks = self._fp8
-        return kernel.attention(q8, k8, v, self._layout, None, None, self.scale, dense=True,
-                                qk_descale=qs * ks)[0]
+        return kernel.attention(q8, k8, v, layout, None, None, self.scale, dense=True, qk_descale=qs * ks,
+                                out=out)[0]
 
-    def _attend_fp8_chunks(self, layer: int, q8: torch.Tensor, k8: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """As ``_attend_fp8`` for a step with later chunks: each chunk's queries against its prompt's
-        keys [0, end), the earlier ones read back from the pool as codes; one launch per chunk."""
-        from prefill_server.kernels.block_sparse import kernel
-        from prefill_server.kernels.block_sparse.layout import build_layout
-
-        qs, ks = self._fp8
+    def _attend_fp8(self, layer: int, q8: torch.Tensor, k8: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q8 [T, Hq, D], k8 [T, Hkv, D] e4m3, v [T, Hkv, D] -> o [T, Hq, D]. Whole prompts: one launch
+        over the packed step; later chunks: one per chunk, its keys [0, end) read back from the pool as
+        codes (this chunk's were written above)."""
+        if self._whole:
+            lens = [s.end for s in self.slices]
+            return self._attend_codes("step", q8, k8, v, lens, lens)
         out = torch.empty(q8.shape, dtype=v.dtype, device=q8.device)
         for i, (s, table) in enumerate(zip(self.slices, self.tables)):
             if s.start == 0:
                 kc, vc = k8[s.q_start:s.q_end], v[s.q_start:s.q_end]
-            else:  # this chunk's keys were written above: [0, end) all come from the pool
+            else:
                 kc, vc = self.pool.read(layer, s.block_ids, s.end, table=table, k_codes=True)
                 vc = vc.to(v.dtype)
-            layout = self._chunk_layouts.get(i)
-            if layout is None:  # once per step
-                cq = torch.tensor([0, s.q_end - s.q_start], dtype=torch.int32).to(q8.device)
-                ck = torch.tensor([0, s.end], dtype=torch.int32).to(q8.device)
-                layout = self._chunk_layouts[i] = build_layout(cq, ck, s.q_end - s.q_start, s.end, FP8_SCORES_BLOCK)
-            kernel.attention(q8[s.q_start:s.q_end], kc, vc, layout, None, None, self.scale, dense=True,
-                             qk_descale=qs * ks, out=out[s.q_start:s.q_end])
+            self._attend_codes(i, q8[s.q_start:s.q_end], kc, vc, [s.q_end - s.q_start], [s.end],
+                               out=out[s.q_start:s.q_end])
         return out
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -203,9 +196,7 @@ class PagedAttention:
             if self._sparse_wants(layer):  # a prompt alone in its step, whole (fp8_scores)
                 qs, ks = self._fp8
                 return self.sparse.attend(layer, q, k, v, self.scale, k8=k8, qk_descale=qs * ks)
-            if self._whole:
-                return self._attend_fp8(q, k8, v)
-            return self._attend_fp8_chunks(layer, q, k8, v)
+            return self._attend_fp8(layer, q, k8, v)
         if self.stream is not None:  # one whole prompt (past a cached head): K/V to staging
             self.stream.write(self.pool, layer, k, v)
             ks, vs = self.stream.context(self.pool, layer, k, v)

@@ -200,12 +200,17 @@ def silu_mul_for(proj: nn.Module, gate_up: torch.Tensor) -> torch.Tensor | Quant
     return Quantized(q, s)
 
 
+def has_fp8_tensor_cores(device: torch.device) -> bool:
+    """A CUDA device of compute capability 8.9 or newer (L4, L40S, H100, H200, B200)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
     """None when FP8 layers run here in ``dtype``; otherwise why not (the error a user sees)."""
     if device.type != "cuda":
         return None  # emulated: correct, slow (tests, accuracy checks)
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) < (8, 9):
+    if not has_fp8_tensor_cores(device):
+        major, minor = torch.cuda.get_device_capability(device)
         return (f"--quantization fp8 needs a GPU with FP8 tensor cores (compute capability 8.9 or newer: "
                 f"L4, L40S, H100, H200, B200); {torch.cuda.get_device_name(device)} is {major}.{minor}. "
                 f"Use --quantization none")
