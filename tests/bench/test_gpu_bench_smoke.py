@@ -28,9 +28,11 @@ def _by_impl(results: list[dict], tokens: int) -> dict[str, dict]:
 
 
 def test_attention_bench_128k(tmp_path):
-    """Kernel, estimator and all-blocks mode against cuDNN and FlexAttention in the same run, 128K at a
-    fixed 5% mask. Recorded (calls 11-12): 1.35x Flex, 1.07-1.11x ideal, estimator + kernel
-    16.5-17.0x dense, estimator 0.51% of dense, all blocks 0.97-1.00x cuDNN."""
+    """Kernel, estimator and all-blocks mode against cuDNN and FlexAttention (the fastest of its
+    configurations on this mask) in the same run, 128K at a fixed 5% mask. Recorded (H100,
+    docs/bench/2026-12-06-diag-fixed/h100-call3): 1.31x Flex at its best settings, 1.10x ideal,
+    estimator + kernel 16.4x dense, estimator 0.58% of dense, all blocks 0.98x cuDNN (H200 calls 11-12,
+    Flex at its defaults: 1.35x, 1.07-1.11x, 16.5-17.0x, 0.51%, 0.97-1.00x)."""
     out = tmp_path / "attention.json"
     assert attention.main(["--lengths", "131072", "--densities", "0.05", "--budget-ms", "600",
                            "--out", str(out)]) == 0

@@ -63,12 +63,13 @@ def test_kernel_tilings(triton_device, gp, tok, bn, mode):
 
 
 @pytest.mark.parametrize("fma,kvload,rcp,fixm", [(1, 0, 0, 0), (0, 1, 1, 1), (1, 2, 1, 0), (0, 2, 0, 0),
-                                              (1, 2, 1, 1)])
+                                              (1, 2, 1, 1), (1, 2, 1, 2), (0, 0, 0, 2)])
 @pytest.mark.parametrize("dense", [False, True])
 def test_kernel_load_and_softmax_variants(triton_device, fma, kvload, rcp, fixm, dense):
     """Grid scheme: scale folded into the exp2 FMA, K/V tiles from a scalar base + invariant offsets
     (kvload=1) or TMA tensor descriptors (kvload=2), reciprocal epilogue (rcp), a fixed softmax
-    reference in the off-diagonal loop (fixm), on varlen q_len < k_len, sparse and dense."""
+    reference in the off-diagonal loop (fixm 1) or everywhere past one diagonal tile (fixm 2), on
+    varlen q_len < k_len, sparse and dense."""
     bs = 32
     q, k, v, cu_q, cu_k = batch([70, 33, 40], [150, 33, 300], 8, 2, 64, bs, dtype=torch.float16,
                                 device=triton_device)
@@ -84,9 +85,10 @@ def test_kernel_load_and_softmax_variants(triton_device, fma, kvload, rcp, fixm,
     assert (l.double().cpu() - l2).abs().max() < 1e-3
 
 
+@pytest.mark.parametrize("fixm", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32,
                                    pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
-def test_fixed_reference_falls_back_when_a_far_key_dominates(triton_device, dtype, monkeypatch):
+def test_fixed_reference_falls_back_when_a_far_key_dominates(triton_device, dtype, fixm, monkeypatch):
     """fixm: one early key block scores far above every diagonal tile (log2 margin ~60: past what
     fp16 p holds, and for fp32 past the 2**64 limit too), so the fixed-reference loop must notice
     (l > limit or inf) and redo those items online. Negative control: with the check disabled (an
@@ -110,14 +112,34 @@ def test_fixed_reference_falls_back_when_a_far_key_dominates(triton_device, dtyp
         # is the reference, at tf32's tolerance
         o2, l2 = _run(p, q, k, v, mode="grid", bn=32, fixm=0)
         o2, l2, tol = o2.cpu(), l2.double().cpu(), TOL[torch.bfloat16]
-    o, l = _run(p, q, k, v, mode="grid", bn=32, fixm=1)
+    o, l = _run(p, q, k, v, mode="grid", bn=32, fixm=fixm)
     assert rel_l2(o, o2) < tol
     assert (l.double().cpu() - l2).abs().max() < 1e-3
     if dtype == torch.float16:
         monkeypatch.setitem(kernel.FIXM_LIMIT, torch.float16, float("inf"))
         out = torch.zeros_like(q)
-        o_bad, _ = kernel.attention(q, k, v, lay, p.idx, p.cnt, out=out, mode="grid", bn=32, fixm=1)
+        o_bad, _ = kernel.attention(q, k, v, lay, p.idx, p.cnt, out=out, mode="grid", bn=32, fixm=fixm)
         assert not (torch.isfinite(o_bad).all() and rel_l2(o_bad, o2) < TOL[dtype])
+
+
+@pytest.mark.parametrize("gp,tok,bn", [(4, 32, 32), (2, 16, 16), (4, 8, 32), (1, 32, 16)])
+def test_fixed_reference_tilings_and_unaligned_diagonals(triton_device, gp, tok, bn):
+    """fixm 2 (one online step on the diagonal tile holding the item's first query, the rest against
+    its max): tilings where that tile is not the region's first (tok < bn) or the item's queries
+    straddle a tile edge (q_len < k_len, k_len - q_len not a multiple of bn), sparse and dense."""
+    bs = 32
+    q, k, v, cu_q, cu_k = batch([70, 45, 21], [151, 64, 90], 8, 2, 64, bs, dtype=torch.float16,
+                                device=triton_device)
+    lay = build_layout(cu_q, cu_k, q.shape[0], k.shape[0], bs)
+    sel = (torch.rand(lay.n_slots, 2, lay.max_kblocks, generator=torch.Generator().manual_seed(11))
+           < 0.5).to(triton_device)
+    for dense in (False, True):
+        s = torch.ones_like(sel) if dense else sel
+        p = plan_from_mask(s, lay, SparseConfig(block_size=bs, backend="triton"))
+        o, l = _run(p, q, k, v, dense=dense, mode="grid", gp=gp, tok=tok, bn=bn, fixm=2)
+        o2, l2 = brute_force(q, k, v, cu_q, cu_k, s, bs)
+        assert rel_l2(o, o2) < TOL[torch.float16]
+        assert (l.double().cpu() - l2).abs().max() < 1e-3
 
 
 @pytest.mark.parametrize("mode", ["grid", "persistent"])
@@ -192,9 +214,27 @@ def test_gpu_full_size(dtype, q_lens, k_lens, mode):
     assert (l - l2).abs().max() < 1e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fixm,kvload", [(1, 2), (2, 2), (2, 1), (2, 0)])
+@pytest.mark.parametrize("dense", [False, True])
+def test_gpu_fixed_reference_variants(fixm, kvload, dense):
+    """The fixed-reference variants compiled for the GPU with each K/V load scheme, bf16, varlen with
+    q_len < k_len and diagonals off the tile grid (the interpreter does not type-check the kernel)."""
+    bs, hq, hkv = 128, 32, 8
+    q, k, v, cu_q, cu_k = batch([3000, 5000, 777], [3001, 9050, 4100], hq, hkv, 128, bs, dtype=torch.bfloat16,
+                                device="cuda")
+    lay = build_layout(cu_q, cu_k, q.shape[0], k.shape[0], bs)
+    sel = torch.rand(lay.n_slots, hkv, lay.max_kblocks, device="cuda") < (1.0 if dense else 0.1)
+    p = plan_from_mask(sel, lay, SparseConfig())
+    o, l = _run(p, q, k, v, dense=dense, mode="grid", fixm=fixm, kvload=kvload)
+    o2, l2 = ref.attention(q, k, v, lay, sel)
+    assert rel_l2(o, o2) < TOL[torch.bfloat16]
+    assert (l - l2).abs().max() < 1e-2
+
+
 @pytest.mark.parametrize("vdtype", [torch.float32, torch.float16,
                                     pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("dense,fixm", [(True, 1), (True, 0), (False, 1)])
+@pytest.mark.parametrize("dense,fixm", [(True, 1), (True, 0), (False, 1), (False, 2)])
 def test_fp8_scores_match_the_dequantized_reference(triton_device, vdtype, dense, fixm):
     """q and k as e4m3 codes with per-tensor scales, v in 16/32 bits: the kernel computes exactly
     the attention of the dequantized q and k (the fp8 products are exact in fp32 accumulation), and

@@ -46,7 +46,7 @@ def compile_attn(mode, gp, tok, bn, nw, ns, maxnreg, ctas=None, fma=0, kvload=0,
     sig = attn_sig(fn)
     cx = dict(G=4, GP=gp, TOK=tok, BS=128, BN=bn, D=128, DENSE=dense)
     if not persistent:
-        cx.update(MERGED=mode == "merged", FMA=bool(fma), KVLOAD=kvload, WS=False, RCP=bool(rcp), FIXM=bool(fixm),
+        cx.update(MERGED=mode == "merged", FMA=bool(fma), KVLOAD=kvload, WS=False, RCP=bool(rcp), FIXM=int(fixm),
                   LIM=2.0 ** 64)
         desc = f"tensordesc<bf16[{bn}, 128]>" if kvload == 2 else "*bf16"
         sig.update(K_DESC=desc, V_DESC=desc)

@@ -7,9 +7,11 @@ the block's first query: no mask), then the diagonal region with the causal mask
 base 2; writes out (v.dtype) and LSE (float32, natural log) [Tq, Hq]. Options of the grid scheme's
 off-diagonal loop: ``FMA`` (running max kept in scaled units, so ``s * scale - m`` is one FMA),
 ``KVLOAD`` (0: per-element pointers, 1: scalar tile base + invariant offsets, 2: TMA descriptors);
-of its epilogue: ``RCP`` (one reciprocal per row instead of a division per element); ``FIXM``: the
-diagonal tiles first, then the off-diagonal tiles against their row max held fixed (no max, no
-rescale per step), checked afterwards and redone online where a p grew past ``FIXM_LIMIT``.
+of its epilogue: ``RCP`` (one reciprocal per row instead of a division per element); ``FIXM``: 1,
+the diagonal tiles first, then the off-diagonal tiles against their row max held fixed (no max, no
+rescale per step), checked afterwards and redone online where a p grew past ``FIXM_LIMIT``; 2, the
+same with the reference taken from one diagonal tile (the first holding one of the item's queries),
+so the rest of the diagonal region runs fixed too.
 Measured on the H200 and dropped (docs/kernels-notes.md, calls 7-9; code in commits 1adbf54 and
 6d804b4): item scalars in one round trip, the diagonal tiles in the TMA loop, an L2 prefetch of a
 later item's queries, BN=32 with 3 stages, a lazy (thresholded) rescale of the running max, and the
@@ -47,8 +49,13 @@ last_compiled = None  # the last launch's compiled kernel (registers / spills fo
 FIXM_LIMIT = {torch.float16: 2.0 ** 15, torch.bfloat16: 2.0 ** 64, torch.float32: 2.0 ** 64}
 # fixm=1: the off-diagonal loop against the diagonal tiles' row max held fixed (call 10, same run, 128K
 # 2/5/10%: 6.12/13.41/25.85 ms vs 6.54/14.77/28.10; 256K -8 to -11%; all blocks 245 vs 275 ms).
+# fixm=2: the diagonal region too, past one online tile (H100, same run, 128K 1/2/5%: 3.41/5.94/13.48
+# ms vs 3.55/6.18/13.85; 256K -7.3/-3.0/-2.4%). Taken for sparse masks in bf16/fp32 only: in dense
+# mode (all blocks) it was +4.4% at 128K (ptxas gives its off-diagonal step 13 more instructions), and
+# with fp16's p (limit 2**15) its narrower reference makes real logits fall back more often
+# (docs/bench/2026-12-06-diag-fixed/README.md); those keep fixm=1.
 DEFAULTS = dict(mode="grid", bn=64, num_warps=8, num_stages=2, maxnreg=128, ctas_per_sm=2, fma=1, kvload=2,
-                rcp=1, fixm=1)
+                rcp=1, fixm=2)
 
 
 @triton.jit
@@ -160,6 +167,48 @@ def _off_loop(q, m_i, l_i, acc, n_off, idx_row, kbase, vbase, K_DESC, V_DESC, k_
 
 
 @triton.jit
+def _diag_fixed(q, diag_lo, tok0, off, q_last, q_pos, live, kbase, vbase, K_DESC, V_DESC, k_start, kvh, qk_scale,
+                stride_kt, stride_vt, M: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+                KVLOAD: tl.constexpr):
+    """The diagonal region with one row max: the first tile that reaches past the item's first query
+    (every row sees that query's key there, so each row max is finite) sets the reference; the
+    region's later masked tiles and its earlier tiles (wholly before every row's query: no mask, TMA
+    where the off-diagonal loop uses it) run against it held fixed. Both loops run 0-2 times: not
+    pipelined (no shared buffers of their own, no prologue)."""
+    cols = tl.arange(0, BN)
+    dd = tl.arange(0, D)
+    base = diag_lo * BS
+    fm = tl.where(live, (off + tok0 - base) // BN, 0)  # the first masked tile (idle items: none at all)
+    n_first = base + fm * BN
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, D], tl.float32)
+    for n0 in tl.range(n_first, q_last + 1, BN, num_stages=1):  # 1 tile, 2 where queries cross an edge
+        kt = n0 + cols
+        kmask = kt <= q_last
+        k = tl.load(kbase + kt.to(tl.int64)[:, None] * stride_kt + dd[None, :], mask=kmask[:, None], other=0.0)
+        v = tl.load(vbase + kt.to(tl.int64)[:, None] * stride_vt + dd[None, :], mask=kmask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k))
+        s = tl.where(kt[None, :] <= q_pos[:, None], s, float("-inf"))
+        if n0 == n_first:  # the reference (starting from l = 0, acc = 0: no rescale to do)
+            m_i = tl.max(s, 1) * qk_scale
+        p = tl.exp2(s * qk_scale - m_i[:, None])
+        l_i = l_i + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    for j in tl.range(0, fm, num_stages=1):
+        row0 = base + j * BN
+        if KVLOAD == 2:
+            k = K_DESC.load([k_start + row0, kvh * D])
+            v = V_DESC.load([k_start + row0, kvh * D])
+        else:
+            kr = (row0 + cols).to(tl.int64)
+            k = tl.load(kbase + kr[:, None] * stride_kt + dd[None, :])
+            v = tl.load(vbase + kr[:, None] * stride_vt + dd[None, :])
+        l_i, acc = _update_fixed(q, k, v, m_i, l_i, acc, qk_scale)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _diag_loop(q, m_i, l_i, acc, diag_lo, q_last, q_pos, kbase, vbase, qk_scale, stride_kt, stride_vt,
                BS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, FMA: tl.constexpr):
     """The diagonal region (keys from the item's first query block to its last query), masked."""
@@ -172,6 +221,20 @@ def _diag_loop(q, m_i, l_i, acc, diag_lo, q_last, q_pos, kbase, vbase, qk_scale,
         v = tl.load(vbase + kt.to(tl.int64)[:, None] * stride_vt + dd[None, :], mask=kmask[:, None], other=0.0)
         m_i, l_i, acc = _update(q, k, v, kt[None, :] <= q_pos[:, None], m_i, l_i, acc, qk_scale, True, FMA)
     return m_i, l_i, acc
+
+
+@triton.jit
+def _online(q, n_off, idx_row, diag_lo, q_last, q_pos, kbase, vbase, K_DESC, V_DESC, k_start, kvh, qk_scale,
+            stride_kt, stride_vt, M: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+            DENSE: tl.constexpr, FMA: tl.constexpr, KVLOAD: tl.constexpr, WS: tl.constexpr):
+    """An item from an empty state, online softmax throughout: off-diagonal tiles, then the diagonal."""
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, D], tl.float32)
+    m_i, l_i, acc = _off_loop(q, m_i, l_i, acc, n_off, idx_row, kbase, vbase, K_DESC, V_DESC, k_start, kvh,
+                              qk_scale, stride_kt, stride_vt, BS, BN, D, DENSE, FMA, KVLOAD, WS, False)
+    return _diag_loop(q, m_i, l_i, acc, diag_lo, q_last, q_pos, kbase, vbase, qk_scale, stride_kt, stride_vt,
+                      BS, BN, D, FMA)
 
 
 @triton.jit
@@ -224,29 +287,28 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K, SLOT_SEQ, SLOT_QBLK, IDX, CNT, K_DESC
             s_ok = kt[None, :] <= (q_pos + tl.where(is_diag, 0, BIG))[:, None]
             m_i, l_i, acc = _update(q, k, v, s_ok, m_i, l_i, acc, qk_scale, True, FMA)
     elif FIXM:
-        # The diagonal region first (every live row sees its own key there, so its max is finite), then
-        # the off-diagonal tiles against that max held FIXED: no row max, no rescale per step. Since
-        # every p <= l_i, l_i <= LIM (the largest p that p's dtype and the fp32 sums hold safely) after
-        # the loop proves that no step overflowed; otherwise (or on NaN) the item is redone online.
-        m_i, l_i, acc = _diag_loop(q, m_i, l_i, acc, diag_lo, q_last, q_pos, kbase, vbase, qk_scale,
-                                   stride_kt, stride_vt, BS, BN, D, FMA)
+        # FIXM 1: the diagonal region first, online (every live row sees its own key there, so its max
+        # is finite), then the off-diagonal tiles against that max held FIXED: no row max, no rescale
+        # per step. FIXM 2: one online step (the region's first tile holding one of the item's
+        # queries), the rest of the region fixed too. Since every p <= l_i, l_i <= LIM (the largest
+        # p that p's dtype and the fp32 sums hold safely) afterwards proves that no step overflowed;
+        # otherwise (or on NaN) the item is redone online.
+        if FIXM == 2:
+            m_i, l_i, acc = _diag_fixed(q, diag_lo, tok0, off, q_last, q_pos, live, kbase, vbase, K_DESC, V_DESC,
+                                        k_start, kvh, qk_scale, stride_kt, stride_vt, M, BS, BN, D, KVLOAD)
+        else:
+            m_i, l_i, acc = _diag_loop(q, m_i, l_i, acc, diag_lo, q_last, q_pos, kbase, vbase, qk_scale,
+                                       stride_kt, stride_vt, BS, BN, D, FMA)
         m_i, l_i, acc = _off_loop(q, m_i, l_i, acc, n_off, idx_row, kbase, vbase, K_DESC, V_DESC, k_start, kvh,
                                   qk_scale, stride_kt, stride_vt, BS, BN, D, DENSE, FMA, KVLOAD, WS, True)
         n_bad = tl.sum(tl.where(row_ok, tl.where(l_i <= LIM, 0, 1), 0), 0)
         if n_bad > 0:
-            m_i = tl.full([M], float("-inf"), tl.float32)
-            l_i = tl.zeros([M], tl.float32)
-            acc = tl.zeros([M, D], tl.float32)
-            m_i, l_i, acc = _off_loop(q, m_i, l_i, acc, n_off, idx_row, kbase, vbase, K_DESC, V_DESC, k_start,
-                                      kvh, qk_scale, stride_kt, stride_vt, BS, BN, D, DENSE, FMA, KVLOAD, WS,
-                                      False)
-            m_i, l_i, acc = _diag_loop(q, m_i, l_i, acc, diag_lo, q_last, q_pos, kbase, vbase, qk_scale,
-                                       stride_kt, stride_vt, BS, BN, D, FMA)
+            m_i, l_i, acc = _online(q, n_off, idx_row, diag_lo, q_last, q_pos, kbase, vbase, K_DESC, V_DESC,
+                                    k_start, kvh, qk_scale, stride_kt, stride_vt, M, BS, BN, D, DENSE, FMA,
+                                    KVLOAD, WS)
     else:
-        m_i, l_i, acc = _off_loop(q, m_i, l_i, acc, n_off, idx_row, kbase, vbase, K_DESC, V_DESC, k_start, kvh,
-                                  qk_scale, stride_kt, stride_vt, BS, BN, D, DENSE, FMA, KVLOAD, WS, False)
-        m_i, l_i, acc = _diag_loop(q, m_i, l_i, acc, diag_lo, q_last, q_pos, kbase, vbase, qk_scale,
-                                   stride_kt, stride_vt, BS, BN, D, FMA)
+        m_i, l_i, acc = _online(q, n_off, idx_row, diag_lo, q_last, q_pos, kbase, vbase, K_DESC, V_DESC, k_start,
+                                kvh, qk_scale, stride_kt, stride_vt, M, BS, BN, D, DENSE, FMA, KVLOAD, WS)
     _store(O, LSE, acc, m_i, l_i, q_start, tok, head, row_ok, stride_ot, stride_oh, stride_lt, D, RCP)
 
 
@@ -378,7 +440,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, idx: to
               num_warps: int | None = None, num_stages: int | None = None, mode: str | None = None,
               maxnreg: int | None = None, ctas_per_sm: int | None = None, nprog: int | None = None,
               fma: bool | None = None, kvload: int | None = None, ws: bool | None = None,
-              rcp: bool | None = None, fixm: bool | None = None, sched_cache: dict | None = None, sched=None,
+              rcp: bool | None = None, fixm: int | None = None, sched_cache: dict | None = None, sched=None,
               out: torch.Tensor | None = None, lse: torch.Tensor | None = None, qk_descale: float = 1.0):
     """Launch the kernel. ``idx`` int32 [n_slots, Hkv, cap] / ``cnt`` int32 [n_slots, Hkv] come from
     ``estimate.select_blocks`` or ``api.mask_to_indices``; ``dense=True`` ignores them and visits
@@ -405,7 +467,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, idx: to
     kvload = int(dflt.get("kvload", 0) if kvload is None else kvload)
     ws = bool(dflt.get("ws", 0) if ws is None else ws)
     rcp = bool(dflt.get("rcp", 0) if rcp is None else rcp)
-    fixm = bool(dflt.get("fixm", 0) if fixm is None else fixm)
     dgp, dtok = default_tiling(g, bs)
     if gp is None and dflt.get("gp") and g % dflt["gp"] == 0 and bs % dflt.get("tok", bs) == 0:
         gp, tok = dflt["gp"], tok or dflt.get("tok")
@@ -422,6 +483,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, idx: to
     if dense or idx is None:
         idx = cnt = torch.zeros(1, 1, 1, dtype=torch.int32, device=q.device)
         dense = True
+    if fixm is None:
+        fixm = int(dflt.get("fixm", 0))
+        if fixm == 2 and (dense or v.dtype == torch.float16):
+            fixm = 1  # (DEFAULTS' comment)
     cnt2 = cnt.view(cnt.shape[0], -1)
     kw = {}
     if num_warps is not None:
