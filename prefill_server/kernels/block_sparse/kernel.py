@@ -119,19 +119,15 @@ def _update_fixed(q, k, v, m_i, l_i, acc, qk_scale):
 
 @triton.jit
 def _store(O, LSE, acc, m_i, l_i, q_start, tok, head, row_ok, stride_ot, stride_oh, stride_lt,
-           D: tl.constexpr, RCP: tl.constexpr = False, O_DESC=None, q_len=0, tok0=0, h0=0,
-           TOK: tl.constexpr = 1, GP: tl.constexpr = 1, OSTORE: tl.constexpr = 0):
+           D: tl.constexpr, RCP: tl.constexpr = False):
     dd = tl.arange(0, D)
     l_i = tl.where(l_i > 0.0, l_i, 1.0)  # only rows of idle items, never stored
     if RCP:  # one division per row, then a multiply per element (acc / l is a ~4-instruction
         out = acc * (1.0 / l_i)[:, None]  # full-range division per element: ~270 SASS instructions)
     else:
         out = acc / l_i[:, None]
-    if OSTORE == 2 and tok0 + TOK <= q_len:  # all rows in the sequence: one TMA store ([Tq, Hq, D] box)
-        O_DESC.store([q_start + tok0, h0, 0], tl.reshape(out.to(O_DESC.dtype), [TOK, GP, D]))
-    else:
-        o_ptrs = O + (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dd[None, :]
-        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    o_ptrs = O + (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dd[None, :]
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None])
     lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
     tl.store(LSE + (q_start + tok).to(tl.int64) * stride_lt + head, lse, mask=row_ok)
 
@@ -242,13 +238,13 @@ def _online(q, n_off, idx_row, diag_lo, q_last, q_pos, kbase, vbase, K_DESC, V_D
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K, SLOT_SEQ, SLOT_QBLK, IDX, CNT, K_DESC, V_DESC, O_DESC, n_slots, qk_scale,
+def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K, SLOT_SEQ, SLOT_QBLK, IDX, CNT, K_DESC, V_DESC, n_slots, qk_scale,
               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
               stride_lt, stride_is, stride_ih, stride_cs,
               G: tl.constexpr, GP: tl.constexpr, TOK: tl.constexpr, BS: tl.constexpr,
               BN: tl.constexpr, D: tl.constexpr, DENSE: tl.constexpr, MERGED: tl.constexpr,
               FMA: tl.constexpr, KVLOAD: tl.constexpr, WS: tl.constexpr, RCP: tl.constexpr,
-              FIXM: tl.constexpr = False, LIM: tl.constexpr = 1.0, OSTORE: tl.constexpr = 0):
+              FIXM: tl.constexpr = False, LIM: tl.constexpr = 1.0):
     NSUB: tl.constexpr = BS // BN
     M: tl.constexpr = TOK * GP
     SPLIT: tl.constexpr = BS // TOK
@@ -313,8 +309,7 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K, SLOT_SEQ, SLOT_QBLK, IDX, CNT, K_DESC
     else:
         m_i, l_i, acc = _online(q, n_off, idx_row, diag_lo, q_last, q_pos, kbase, vbase, K_DESC, V_DESC, k_start,
                                 kvh, qk_scale, stride_kt, stride_vt, M, BS, BN, D, DENSE, FMA, KVLOAD, WS)
-    _store(O, LSE, acc, m_i, l_i, q_start, tok, head, row_ok, stride_ot, stride_oh, stride_lt, D, RCP, O_DESC,
-           q_len, tok0, h0, TOK, GP, OSTORE)
+    _store(O, LSE, acc, m_i, l_i, q_start, tok, head, row_ok, stride_ot, stride_oh, stride_lt, D, RCP)
 
 
 @triton.jit
@@ -445,7 +440,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, idx: to
               num_warps: int | None = None, num_stages: int | None = None, mode: str | None = None,
               maxnreg: int | None = None, ctas_per_sm: int | None = None, nprog: int | None = None,
               fma: bool | None = None, kvload: int | None = None, ws: bool | None = None,
-              rcp: bool | None = None, fixm: int | None = None, ostore: int | None = None, sched_cache: dict | None = None, sched=None,
+              rcp: bool | None = None, fixm: int | None = None, sched_cache: dict | None = None, sched=None,
               out: torch.Tensor | None = None, lse: torch.Tensor | None = None, qk_descale: float = 1.0):
     """Launch the kernel. ``idx`` int32 [n_slots, Hkv, cap] / ``cnt`` int32 [n_slots, Hkv] come from
     ``estimate.select_blocks`` or ``api.mask_to_indices``; ``dense=True`` ignores them and visits
@@ -472,7 +467,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, idx: to
     kvload = int(dflt.get("kvload", 0) if kvload is None else kvload)
     ws = bool(dflt.get("ws", 0) if ws is None else ws)
     rcp = bool(dflt.get("rcp", 0) if rcp is None else rcp)
-    ostore = int(dflt.get("ostore", 0) if ostore is None else ostore)
     dgp, dtok = default_tiling(g, bs)
     if gp is None and dflt.get("gp") and g % dflt["gp"] == 0 and bs % dflt.get("tok", bs) == 0:
         gp, tok = dflt["gp"], tok or dflt.get("tok")
@@ -530,17 +524,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, idx: to
                           for x in (k, v))
             else:
                 kvload = 1
-        od = out  # unused unless ostore == 2
-        if ostore == 2:
-            if _tma_ok(out, bn):
-                from triton.tools.tensor_descriptor import TensorDescriptor
-                od = TensorDescriptor(out, list(out.shape), [out.stride(0), out.stride(1), 1], [tok, gp, d])
-            else:
-                ostore = 0
         grid = (layout.n_slots * (bs // tok), hkv * (g // gp))
         last_compiled = _attn_fwd[grid](
             q, k, v, out, lse, layout.cu_q, layout.cu_k, layout.slot_seq, layout.slot_qblk, idx, cnt2,
-            kd, vd, od, layout.n_slots, scale * LOG2E, *strides,
+            kd, vd, layout.n_slots, scale * LOG2E, *strides,
             G=g, GP=gp, TOK=tok, BS=bs, BN=bn, D=d, DENSE=dense, MERGED=(mode == "merged"),
-            FMA=fma, KVLOAD=kvload, WS=ws, RCP=rcp, FIXM=fixm, LIM=FIXM_LIMIT[v.dtype], OSTORE=ostore, **kw)
+            FMA=fma, KVLOAD=kvload, WS=ws, RCP=rcp, FIXM=fixm, LIM=FIXM_LIMIT[v.dtype], **kw)
     return out, lse
