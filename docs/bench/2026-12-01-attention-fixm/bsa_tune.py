@@ -37,7 +37,7 @@ VARIANTS = [  # (mode, gp, tok, bn, num_warps, num_stages, maxnreg, ctas_per_sm,
 # 6d804b4): item scalars in one round trip, diagonal tiles in the TMA loop, L2 prefetch of Q, BN=32
 # with 3 stages, lazy rescale, row sums on the tensor cores.
 KEYS = ("mode", "gp", "tok", "bn", "num_warps", "num_stages", "maxnreg", "ctas_per_sm", "fma", "kvload", "rcp",
-        "fixm")
+        "fixm", "ostore")  # (a variant may leave out the last keys: the kernel's defaults then)
 DENSITIES = (0.02, 0.05, 0.10)
 HQ, HKV, D = 32, 8, 128
 SMOKE = False  # --smoke: CPU dry run of this script (interpreter, fp16, tiny sizes, host timing)
