@@ -82,6 +82,14 @@ class TransferError(PrefillError):
     grpc_code = "UNAVAILABLE"
 
 
+class PromptMismatch(PrefillError):
+    """The decode answered for a prompt of another length than the one whose KV the prefill made
+    (its tokenizer or chat rendering differ from this server's): its answer is withheld."""
+
+    http_status = 502
+    grpc_code = "INTERNAL"
+
+
 class WorkerLost(PrefillError):
     """The prefill worker holding the request died or stopped answering (the pool replaces it):
     retry the request."""

@@ -116,17 +116,46 @@ class Tokenizer:
         return after[len(before):]
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:
-        """Render ``messages`` ([{"role": str, "content": str}, ...]) to the prompt string."""
+                            continue_final_message: bool = False, **kwargs: Any) -> str:
+        """Render ``messages`` ([{"role": str, "content": str}, ...]) to the prompt string.
+        ``continue_final_message``: the text ends inside the final message, for the model to go on
+        with it (as transformers renders it: the template's own end of that message is cut off)."""
         if self.chat_template is None:
             raise InvalidRequest("this model's tokenizer has no chat template; send a plain prompt instead",
                                  field="messages")
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequest("continue_final_message and add_generation_prompt cannot both be true: set "
+                                 "add_generation_prompt to false to continue the final message",
+                                 field="continue_final_message")
         messages = validate_messages(messages)
         if self._compiled is None:
             self._compiled = _compile(self.chat_template)
         context = {**self.special_tokens, **kwargs}
         context.setdefault("tools", None)
         context.setdefault("documents", None)
+        if continue_final_message:
+            return self._render_continued(messages, context)
+        return self._render(messages, add_generation_prompt, context)
+
+    def _render_continued(self, messages: list[dict[str, Any]], context: dict) -> str:
+        """The chat rendered up to the end of the final message's content: a marker appended to that
+        content locates it in the rendered text, and everything from the marker on is dropped (with
+        the whitespace before it where the template trimmed the marker's own trailing space)."""
+        if "content" not in self.chat_template:
+            raise InvalidRequest("continue_final_message: this model's chat template has no message content "
+                                 "to continue", field="continue_final_message")
+        final = messages[-1]["content"]
+        marked = messages[:-1] + [{**messages[-1], "content": final + _CONTINUE_MARK}]
+        text = self._render(marked, False, context)
+        mark = _CONTINUE_MARK.strip()
+        if final.strip() not in text or mark not in text:
+            raise InvalidRequest("continue_final_message: the chat template drops part of the final message, "
+                                 "so it cannot be continued; send it without continue_final_message",
+                                 field="continue_final_message")
+        at = text.rindex(mark)
+        return text[:at] if text[at:at + len(_CONTINUE_MARK)] == _CONTINUE_MARK else text[:at].rstrip()
+
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, context: dict) -> str:
         try:
             return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          **context)
@@ -136,9 +165,15 @@ class Tokenizer:
             raise InvalidRequest(f"the chat template could not render these messages ({type(e).__name__}: {e}); "
                                  "check the types of the messages' extra fields and of tools", field="messages") from None
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                    **kwargs: Any) -> list[int]:
         """Ids of the rendered chat; like HF, the template supplies any BOS (no special tokens added)."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs),
+                           add_special_tokens=False)
+
+
+# transformers' marker (5.x), so that a template that treats it specially cuts where the decode's does
+_CONTINUE_MARK = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 def validate_messages(messages: Any) -> list[dict[str, Any]]:

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 import httpx
 
 from prefill_server.engine.worker import Route, SamplingParams
-from prefill_server.errors import DecodeNotReached, DecodeUnavailable, InvalidRequest, PrefillError, PromptTooLong
+from prefill_server.errors import (DecodeNotReached, DecodeUnavailable, InvalidRequest, PrefillError, PromptMismatch,
+                                   PromptTooLong)
+from prefill_server.serving import chat_render
 from prefill_server.serving import first_token as ft
 from prefill_server.serving import openai_schema as schema
 from prefill_server.serving import prefill_instance as pi
@@ -142,7 +144,7 @@ class Gateway:
         # (add_special_tokens: as vLLM's completion endpoint takes it, true unless false)
         token_ids = await svc.encode_prompt_async(schema.single_prompt(body.prompt),
                                                   add_special_tokens=raw.get("add_special_tokens") is not False)
-        self._check_fits(len(token_ids), body.max_tokens)
+        self._check_fits(len(token_ids), body.max_tokens, body.truncate_prompt_tokens)
         if remote_decode:
             return await self._as_prefill_instance(False, raw, token_ids, sampling_of(body), body.stream, outcome, tag)
         if (room := self._room_of(raw)) is not None:
@@ -157,10 +159,11 @@ class Gateway:
         body = schema.parse(schema.ChatBody, raw)
         remote_decode = self._wants_remote_decode(raw)
         self._check_model(raw, body.model)
-        kwargs = {"tools": body.tools} if body.tools else {}
+        # (with --tokenizer-parity decode the decode renders the body itself, by its own rules)
+        kwargs = chat_render.template_kwargs(raw) if svc.through_decode is None else {}
         svc.worker.check_admission()
         token_ids = await svc.encode_chat_async(schema.chat_messages(body), request=raw, **kwargs)
-        self._check_fits(len(token_ids), body.max_completion_tokens or body.max_tokens)
+        self._check_fits(len(token_ids), body.max_completion_tokens or body.max_tokens, body.truncate_prompt_tokens)
         if remote_decode:
             return await self._as_prefill_instance(True, raw, token_ids, sampling_of(body), body.stream, outcome, tag)
         if (room := self._room_of(raw)) is not None:
@@ -196,8 +199,15 @@ class Gateway:
         self.service.check_model(name)
 
     # ---- checks ----
-    def _check_fits(self, n: int, max_tokens: int | None) -> None:
-        """The decode refuses a prompt that leaves its context no room: refuse it before computing."""
+    def _check_fits(self, n: int, max_tokens: int | None, truncate: int | None = None) -> None:
+        """The decode refuses a prompt that leaves its context no room: refuse it before computing.
+        ``truncate`` (``truncate_prompt_tokens``): the decode would cut a longer prompt to that many
+        tokens, after our KV was made for all of them, so a prompt it would cut is refused here."""
+        if truncate is not None and truncate >= 1 and n > truncate:
+            raise InvalidRequest(f"truncate_prompt_tokens={truncate} would cut this {n}-token prompt, which the "
+                                 "prefill server does not do (the decode would then continue from KV of another "
+                                 "prompt): send the prompt already cut to the tokens you want kept",
+                                 field="truncate_prompt_tokens")
         limit = self.service.info.max_model_len
         where = self.service.info.max_model_len_source
         if n >= limit:
@@ -413,10 +423,13 @@ class Gateway:
             body = resp.json()  # (once: the checks and the answer share it)
         except ValueError:  # not JSON: relayed as it came
             body = None
+        try:
+            check_prompt_tokens(body, c.num_prompt_tokens + (1 if c.first else 0), c.request_id)
+        except PromptMismatch:
+            svc.release(c.request_id)  # (its answer is not the client's: nothing is to read our KV now)
+            raise
         if c.first and resp.status_code < 400:
-            check_prompt_tokens(body, c.num_prompt_tokens + 1, c.request_id)
             return Answer(c.first.merge(body if body is not None else resp.json()))
-        check_prompt_tokens(body, c.num_prompt_tokens, c.request_id)
         if c.cached_tokens is not None and resp.status_code < 400 \
                 and isinstance(body, dict) and isinstance(body.get("usage"), dict):
             return Answer({**body, "usage": ft.with_cached_tokens(body["usage"], c.cached_tokens)})

@@ -23,6 +23,7 @@ class _Body(BaseModel):
     top_k: StrictInt | None = None
     seed: StrictInt | None = Field(default=None, ge=-2**63, le=2**63 - 1)  # a 64-bit seed, as vLLM takes
     n: StrictInt | None = Field(default=None, ge=1, le=1)
+    truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)  # (-1: the context's length)
 
 
 class CompletionBody(_Body):
@@ -39,6 +40,13 @@ class ChatBody(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     tools: list[dict[str, Any]] | None = None  # the chat template renders them
+    # how the chat is rendered (``chat_render``), typed as vLLM's chat endpoint types them
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    add_special_tokens: StrictBool = False
+    chat_template: StrictStr | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
 
 
 def parse(model_cls, body: Any):

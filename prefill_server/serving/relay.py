@@ -7,6 +7,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 
+from prefill_server.errors import PromptMismatch
 from prefill_server.engine.worker import PrefillResult, SamplingParams
 from prefill_server.serving import openai_schema as schema
 from prefill_server.serving import prefill_instance as pi
@@ -61,15 +62,20 @@ async def streamed_cached_tokens(prefill: asyncio.Future, wait_s: float = 2.0) -
 
 
 def check_prompt_tokens(body, n: int, rid: str) -> None:
-    """The decode must have used exactly our tokens (``body``: its answer, parsed); a mismatch
-    means tokenizers disagree."""
+    """The decode must have used exactly our tokens (``body``: its answer, parsed). A different count
+    means its prompt is not the one our KV was made for, so its answer rests on another prompt's KV:
+    ``PromptMismatch`` instead of that answer."""
     try:
         used = body.get("usage", {}).get("prompt_tokens")
     except Exception:
         return
-    if used is not None and used != n:
-        log.error("request %s: decode counted %s prompt tokens, the prefill %d (tokenizer mismatch?)",
-                  rid, used, n)
+    if isinstance(used, int) and used != n:
+        log.error("request %s: decode counted %s prompt tokens, the prefill %d: answer withheld", rid, used, n)
+        raise PromptMismatch(f"the decode read this request as {used} prompt tokens, the prefill as {n}, so the "
+                             "decode's answer would rest on the KV of another prompt and is withheld. This "
+                             "server's tokenizer or chat rendering differ from the decode's for this request: "
+                             "report it with the request body; --tokenizer-parity decode tokenizes every "
+                             "request at the decode")
 
 
 def one_token_answer(service: PrefillService, chat: bool, r: PrefillResult,

@@ -98,11 +98,16 @@ def _show(text: str, n: int = 48) -> str:
 def local_chat_ids(tokenizer, messages: list[dict], template_kwargs: dict | None = None,
                    check_text: Callable[[str], None] | None = None) -> list[int]:
     """A chat's ids as this server makes them: the template renders the text (and its special
-    tokens), which is tokenized without adding any. ``check_text``: may refuse the rendered text."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **(template_kwargs or {}))
+    tokens), which is tokenized without adding any unless ``template_kwargs`` says
+    ``add_special_tokens`` (``chat_render.template_kwargs``: the rest go to the template, with
+    ``add_generation_prompt`` true unless given). ``check_text``: may refuse the rendered text."""
+    kwargs = dict(template_kwargs or {})
+    add_special = kwargs.pop("add_special_tokens", False)
+    kwargs.setdefault("add_generation_prompt", True)
+    text = tokenizer.apply_chat_template(messages, **kwargs)
     if check_text is not None:
         check_text(text)
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=add_special)
 
 
 Result = tuple[int, ...] | str  # the ids, or why the input was refused

@@ -93,6 +93,28 @@ def test_client_gone_mid_answer_aborts_the_decode(vllm_decode, gateway):
                       timeout=120).status_code == 200
 
 
+@pytest.mark.parametrize("fields,last", [
+    ({"add_generation_prompt": False}, None),
+    ({"add_generation_prompt": False, "continue_final_message": True}, "The sea is"),
+    ({"add_special_tokens": True, "chat_template_kwargs": {"custom_var": 1}}, None),
+])
+def test_chat_rendering_fields_give_the_decodes_own_answer(vllm_decode, gateway, fields, last):
+    """The decode renders the chat body itself: fields that change its rendering must change ours the
+    same way, or it would continue from KV of another prompt (a 32-token prompt, exactly one of the
+    decode's blocks, gave it garbage)."""
+    msgs = [{"role": "user", "content": "Write a poem about the sea"}]
+    msgs += [{"role": "assistant", "content": last}] if last else []
+    body = {"messages": msgs, "max_tokens": 10, "temperature": 0, **fields}
+    ours = httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=120)
+    theirs = httpx.post(vllm_decode.url + "/v1/chat/completions", json={**body, "model": vllm_decode.model},
+                        timeout=120)
+    assert ours.status_code == theirs.status_code == 200, (ours.text, theirs.text)
+    a, b = ours.json(), theirs.json()
+    assert a["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"]
+    assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+    assert gateway.wait_pool_empty() == 0
+
+
 def test_limits_are_the_decodes(vllm_decode, gateway):
     """The model has 8192 positions; the decode runs --max-model-len 4096: that is the limit."""
     m = httpx.get(gateway.url + "/v1/models").json()["data"][0]

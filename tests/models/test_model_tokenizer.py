@@ -67,6 +67,25 @@ def test_chat_template_matches_hf(ours, hf, messages, gen):
     assert ours.encode_chat(messages, add_generation_prompt=gen) == list(ids)
 
 
+CONTINUED = CHATS + [
+    [{"role": "user", "content": "Write a poem about the sea"}, {"role": "assistant", "content": "The sea is"}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, "}],  # trailing space
+    [{"role": "user", "content": "Count:"}, {"role": "assistant", "content": "1 2 3\n"}],  # trailing newline
+]
+
+
+@pytest.mark.parametrize("messages", CONTINUED)
+def test_continue_final_message_matches_hf(ours, hf, messages):
+    """The text ends inside the final message (vLLM's continue_final_message renders through
+    transformers): the same text and ids as transformers."""
+    text = ours.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    assert text == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                          continue_final_message=True)
+    assert text.rstrip().endswith(messages[-1]["content"].rstrip())
+    with pytest.raises(InvalidRequest, match="cannot both be true"):
+        ours.apply_chat_template(messages, add_generation_prompt=True, continue_final_message=True)
+
+
 def test_matches_transformers_gguf_tokenizer(ours, smollm_gguf):
     """Vocab, merges and special tokens equal transformers' reading of the GGUF."""
     transformers = pytest.importorskip("transformers")

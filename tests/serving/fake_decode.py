@@ -17,12 +17,14 @@ from prefill_server.serving.request_guard import RequestGuard
 
 class FakeDecode:
     def __init__(self, *, max_model_len: int = 4096, model: str = "fake", tokens: int = 3,
-                 break_after: int | None = None, delay_s: float = 0.0, after_done_s: float = 0.0):
+                 break_after: int | None = None, delay_s: float = 0.0, after_done_s: float = 0.0,
+                 miscount: int = 0):
         self.requests: list[dict] = []  # bodies received on /v1/*
         self.healthy = True
         self.break_after = break_after  # streams: cut the connection after this many events
         self.delay_s, self.tokens = delay_s, tokens
         self.after_done_s = after_done_s  # streams: the body ends this long after [DONE]
+        self.miscount = miscount  # added to a prompt's token count (a decode whose tokenizer differs)
         self.cancelled = 0  # requests whose client (the gateway) went away before the answer
         app = FastAPI()
 
@@ -51,7 +53,7 @@ class FakeDecode:
                 raise
             if body.get("stream"):
                 return StreamingResponse(self._events(), media_type="text/event-stream")
-            n = len(body["prompt"]) if isinstance(body.get("prompt"), list) else 5
+            n = (len(body["prompt"]) if isinstance(body.get("prompt"), list) else 5) + self.miscount
             return {"id": "cmpl-x", "object": "text_completion", "created": int(time.time()), "model": model,
                     "choices": [{"index": 0, "text": " ok" * self.tokens, "finish_reason": "length"}],
                     "usage": {"prompt_tokens": n, "completion_tokens": self.tokens,

@@ -49,6 +49,20 @@ def stack():
     svc.worker.engine.stop()
 
 
+def test_decode_counting_another_prompt_gets_502_not_its_answer(stack):
+    """A decode that read the request as another number of prompt tokens answered from the KV of
+    another prompt: the client gets 502 saying so, never that answer, and the KV is freed."""
+    svc, decode, url = stack
+    decode.miscount = 1
+    r = httpx.post(url + "/v1/completions", json={"prompt": "hello there", "max_tokens": 3}, timeout=30)
+    assert r.status_code == 502, r.text
+    assert "withheld" in r.json()["error"]["message"]
+    assert wait_for(lambda: svc.worker.engine.pool.num_used == 0, 5.0)
+    decode.miscount = 0
+    assert httpx.post(url + "/v1/completions", json={"prompt": "hello there", "max_tokens": 3},
+                      timeout=30).status_code == 200
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_client_gone_during_prefill_cancels_it_and_never_reaches_the_decode(stack, stream):
     svc, decode, url = stack

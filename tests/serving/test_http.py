@@ -78,6 +78,40 @@ def test_bad_chat_input_gets_400(client, raw, needle):
     assert needle in r.json()["error"]["message"]
 
 
+def test_chat_rendering_fields_are_the_decodes(client, local_service):
+    """add_generation_prompt / continue_final_message / add_special_tokens render the prompt as
+    vLLM's chat endpoint does (the decode renders the same body itself)."""
+    tok = local_service.tokenizer
+    msgs = [{"role": "user", "content": "Write a poem about the sea"}, {"role": "assistant", "content": "The sea"}]
+
+    def prompt_tokens(**fields):
+        r = client.post("/v1/chat/completions", json={"messages": msgs, "temperature": 0, **fields})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+
+    assert prompt_tokens() == len(tok.encode_chat(msgs))
+    assert prompt_tokens(add_generation_prompt=False) == len(tok.encode_chat(msgs, add_generation_prompt=False))
+    cont = tok.apply_chat_template(msgs, add_generation_prompt=False, continue_final_message=True)
+    assert cont.endswith("The sea")
+    assert prompt_tokens(add_generation_prompt=False, continue_final_message=True) == len(tok.encode(cont))
+
+
+@pytest.mark.parametrize("fields,needle", [
+    ({"continue_final_message": True}, "cannot both be true"),
+    ({"add_generation_prompt": "no"}, "add_generation_prompt"),
+    ({"chat_template": "{{ messages }}"}, "chat template sent with the request"),
+    ({"chat_template_kwargs": "x"}, "chat_template_kwargs"),
+    ({"truncate_prompt_tokens": 3}, "truncate_prompt_tokens=3 would cut"),
+])
+def test_bad_chat_rendering_fields_get_400(client, fields, needle):
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi there"}], **fields})
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"]
+    ok = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                   "truncate_prompt_tokens": 1000})  # no cut: served
+    assert ok.status_code == 200, ok.text
+
+
 def test_prompt_larger_than_pool_is_refused(client, local_service):
     pool = local_service.worker.engine.pool
     n = pool.num_blocks * pool.block_size + 1  # fits the context (8192) but never the pool
