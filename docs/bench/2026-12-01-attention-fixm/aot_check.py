@@ -42,7 +42,10 @@ def attn_sig(fn):
 
 def compile_attn(mode, gp, tok, bn, nw, ns, maxnreg, ctas=None, fma=0, kvload=0, rcp=0, fixm=0, dense=False):
     persistent = mode == "persistent"
-    fn = kernel._attn_fwd_persistent if persistent else kernel._attn_fwd
+    if persistent:
+        from prefill_server.kernels.block_sparse.persistent import _attn_fwd_persistent as fn
+    else:
+        fn = kernel._attn_fwd
     sig = attn_sig(fn)
     cx = dict(G=4, GP=gp, TOK=tok, BS=128, BN=bn, D=128, DENSE=dense)
     if not persistent:

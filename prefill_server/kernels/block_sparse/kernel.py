@@ -19,9 +19,7 @@ row sum on the tensor cores.
 
 Two launch schemes compute the same thing:
 - ``grid``: one program per item (``MERGED`` folds the diagonal tiles into the same pipelined loop);
-- ``persistent``: one program per SM walks its items' iterations as ONE flat loop, so the next item's
-  K/V loads are in flight while the current item finishes (no pipeline drain/fill per item). Per-item
-  iteration counts and per-program totals come from a few torch ops on the device (no host sync).
+- ``persistent`` (``persistent.py``): one program per SM walks its items' iterations as one flat loop.
 
 Imported lazily by ``api.py``: importing the package never needs Triton.
 """
@@ -33,8 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
+from prefill_server.kernels.block_sparse.tiles import BIG, _item, _store, _update, _update_fixed
+
 LOG2E = 1.4426950408889634
-BIG = tl.constexpr(1 << 30)
 last_compiled = None  # the last launch's compiled kernel (registers / spills for diagnostics)
 # Launch defaults on a GPU, chosen from the H200 sweeps in docs/kernels-notes.md. ``gp``/``tok``
 # (GQA packing) default to ``default_tiling``; maxnreg=128 lets two 256-thread programs share an SM;
@@ -56,80 +55,6 @@ FIXM_LIMIT = {torch.float16: 2.0 ** 15, torch.bfloat16: 2.0 ** 64, torch.float32
 # (docs/bench/2026-12-06-diag-fixed/README.md); those keep fixm=1.
 DEFAULTS = dict(mode="grid", bn=64, num_warps=8, num_stages=2, maxnreg=128, ctas_per_sm=2, fma=1, kvload=2,
                 rcp=1, fixm=2)
-
-
-@triton.jit
-def _item(item, n_slots, SLOT_SEQ, SLOT_QBLK, CU_Q, CU_K, G: tl.constexpr, GP: tl.constexpr,
-          TOK: tl.constexpr, BS: tl.constexpr):
-    """Decode a work item: heavy (last) query blocks first, then sub-tiles, then KV heads."""
-    SPLIT: tl.constexpr = BS // TOK
-    n0 = n_slots * SPLIT
-    pid0 = item % n0
-    pid1 = item // n0
-    slot = n_slots - 1 - pid0 // SPLIT
-    sub = pid0 % SPLIT
-    kvh = pid1 // (G // GP)
-    h0 = kvh * G + (pid1 % (G // GP)) * GP
-    seq_raw = tl.load(SLOT_SEQ + slot)
-    seq = tl.maximum(seq_raw, 0)
-    qblk = tl.load(SLOT_QBLK + slot)
-    q_start = tl.load(CU_Q + seq)
-    q_len = tl.load(CU_Q + seq + 1) - q_start
-    k_start = tl.load(CU_K + seq)
-    k_len = tl.load(CU_K + seq + 1) - k_start
-    tok0 = qblk * BS + sub * TOK
-    live = (seq_raw >= 0) & (tok0 < q_len)
-    q_len = tl.where(seq_raw >= 0, q_len, 0)
-    off = k_len - q_len
-    diag_lo = (off + qblk * BS) // BS
-    q_last = tl.where(live, off + tl.minimum(tok0 + TOK, q_len) - 1, diag_lo * BS - 1)
-    return slot, kvh, h0, q_start, q_len, k_start, tok0, off, diag_lo, q_last, live
-
-
-@triton.jit
-def _update(q, k, v, s_ok, m_i, l_i, acc, qk_scale, MASK: tl.constexpr, FMA: tl.constexpr):
-    """One key tile, online softmax: the running max m_i (log2 units) moves, acc and l_i rescale."""
-    s = tl.dot(q, tl.trans(k))
-    if MASK:
-        s = tl.where(s_ok, s, float("-inf"))
-    if FMA:  # m in scaled units; s * scale - m is one FMA per score (the scale > 0 commutes with max)
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        p = tl.exp2(s * qk_scale - m_new[:, None])
-    else:
-        s = s * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc)
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _update_fixed(q, k, v, m_i, l_i, acc, qk_scale):
-    """One key tile against a FIXED reference m_i (log2 units): no row max, no rescale. Exact while
-    every exp2(s - m_i) stays finite in p's dtype; the caller checks l_i afterwards (p <= l_i)."""
-    s = tl.dot(q, tl.trans(k))
-    p = tl.exp2(s * qk_scale - m_i[:, None])
-    l_i = l_i + tl.sum(p, 1)
-    acc = tl.dot(p.to(v.dtype), v, acc)
-    return l_i, acc
-
-
-@triton.jit
-def _store(O, LSE, acc, m_i, l_i, q_start, tok, head, row_ok, stride_ot, stride_oh, stride_lt,
-           D: tl.constexpr, RCP: tl.constexpr = False):
-    dd = tl.arange(0, D)
-    l_i = tl.where(l_i > 0.0, l_i, 1.0)  # only rows of idle items, never stored
-    if RCP:  # one division per row, then a multiply per element (acc / l is a ~4-instruction
-        out = acc * (1.0 / l_i)[:, None]  # full-range division per element: ~270 SASS instructions)
-    else:
-        out = acc / l_i[:, None]
-    o_ptrs = O + (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dd[None, :]
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None])
-    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
-    tl.store(LSE + (q_start + tok).to(tl.int64) * stride_lt + head, lse, mask=row_ok)
 
 
 @triton.jit
@@ -312,72 +237,6 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K, SLOT_SEQ, SLOT_QBLK, IDX, CNT, K_DESC
     _store(O, LSE, acc, m_i, l_i, q_start, tok, head, row_ok, stride_ot, stride_oh, stride_lt, D, RCP)
 
 
-@triton.jit
-def _attn_fwd_persistent(Q, K, V, O, LSE, CU_Q, CU_K, SLOT_SEQ, SLOT_QBLK, IDX, CNT, N_IT, TOT,
-                         n_slots, n_items, qk_scale,
-                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
-                         stride_oh, stride_lt, stride_is, stride_ih, stride_cs,
-                         G: tl.constexpr, GP: tl.constexpr, TOK: tl.constexpr, BS: tl.constexpr,
-                         BN: tl.constexpr, D: tl.constexpr, DENSE: tl.constexpr):
-    NSUB: tl.constexpr = BS // BN
-    M: tl.constexpr = TOK * GP
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    tot = tl.load(TOT + pid)
-    rows = tl.arange(0, M)
-    dd = tl.arange(0, D)
-    cols = tl.arange(0, BN)
-    item = pid
-    local = pid * 0
-    n_cur = tl.load(N_IT + tl.minimum(item, n_items - 1))
-    q = tl.zeros([M, D], dtype=Q.dtype.element_ty)
-    m_i = tl.full([M], float("-inf"), tl.float32)
-    l_i = tl.zeros([M], tl.float32)
-    acc = tl.zeros([M, D], tl.float32)
-    for _ in range(0, tot):
-        adv = local >= n_cur
-        item = tl.where(adv, item + nprog, item)
-        local = tl.where(adv, 0, local)
-        n_nxt = tl.load(N_IT + tl.minimum(item, n_items - 1))
-        n_cur = tl.where(adv, n_nxt, n_cur)
-        slot, kvh, h0, q_start, q_len, k_start, tok0, off, diag_lo, q_last, live = _item(
-            item, n_slots, SLOT_SEQ, SLOT_QBLK, CU_Q, CU_K, G, GP, TOK, BS)
-        tok = tok0 + rows // GP
-        head = h0 + rows % GP
-        row_ok = tok < q_len
-        q_pos = off + tok
-        if DENSE:
-            n_off = diag_lo * NSUB
-        else:
-            n_off = tl.load(CNT + slot * stride_cs + kvh) * NSUB
-        n_off = tl.where(live, n_off, 0)
-        first = local == 0
-        if first:
-            q = tl.load(Q + (q_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
-                        + dd[None, :], mask=row_ok[:, None], other=0.0)
-        is_diag = local >= n_off
-        if DENSE:
-            kb = local // NSUB
-        else:
-            kb = tl.load(IDX + slot.to(tl.int64) * stride_is + kvh * stride_ih + local // NSUB,
-                         mask=local < n_off, other=0)
-        n0 = tl.where(is_diag, diag_lo * BS + (local - n_off) * BN, kb * BS + (local % NSUB) * BN)
-        kt = n0 + cols
-        kmask = kt <= tl.where(is_diag, q_last, BIG)
-        kbase = K + k_start.to(tl.int64) * stride_kt + kvh * stride_kh
-        vbase = V + k_start.to(tl.int64) * stride_vt + kvh * stride_vh
-        k = tl.load(kbase + kt.to(tl.int64)[:, None] * stride_kt + dd[None, :], mask=kmask[:, None], other=0.0)
-        v = tl.load(vbase + kt.to(tl.int64)[:, None] * stride_vt + dd[None, :], mask=kmask[:, None], other=0.0)
-        m_i = tl.where(first, float("-inf"), m_i)
-        l_i = tl.where(first, 0.0, l_i)
-        acc = tl.where(first, 0.0, acc)
-        s_ok = (kt[None, :] <= (q_pos + tl.where(is_diag, 0, BIG))[:, None]) & live
-        m_i, l_i, acc = _update(q, k, v, s_ok, m_i, l_i, acc, qk_scale, True, False)
-        if local == n_cur - 1:
-            _store(O, LSE, acc, m_i, l_i, q_start, tok, head, row_ok, stride_ot, stride_oh, stride_lt, D)
-        local += 1
-
-
 def quantize_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, float]:
     """float8 e4m3 codes of ``x`` with one scale for the tensor (its max magnitude maps to 448, the
     largest e4m3 value): x ~= codes * scale. For ``attention``'s FP8 scores (qk_descale = scale_q *
@@ -400,38 +259,6 @@ def default_tiling(g: int, block_size: int) -> tuple[int, int]:
     while g % (gp * 2) == 0 and gp * 2 <= 16:
         gp *= 2
     return gp, min(block_size, 128 // gp)
-
-
-def schedule(layout, cnt, dense: bool, hkv: int, g: int, gp: int, tok: int, bn: int, nprog: int):
-    """Per-item iteration counts (item order of ``_item``) and per-program totals for the persistent
-    kernel; device tensors, no host sync. Idle items get one (masked) iteration."""
-    bs = layout.block_size
-    split, nsub = bs // tok, bs // bn
-    dev = layout.device
-    slots = torch.arange(layout.n_slots - 1, -1, -1, device=dev)  # heavy first
-    seq_raw = layout.slot_seq[slots].long()
-    seq = seq_raw.clamp(min=0)
-    q_len = (layout.cu_q[1:] - layout.cu_q[:-1])[seq].long()
-    k_len = (layout.cu_k[1:] - layout.cu_k[:-1])[seq].long()
-    q_len = torch.where(seq_raw >= 0, q_len, 0)
-    qblk = layout.slot_qblk[slots].long()
-    off = k_len - q_len
-    diag_lo = (off + qblk * bs) // bs  # [S]
-    tok0 = qblk[:, None] * bs + torch.arange(split, device=dev)[None, :] * tok  # [S, split]
-    live = (seq_raw[:, None] >= 0) & (tok0 < q_len[:, None])
-    q_last = off[:, None] + torch.minimum(tok0 + tok, q_len[:, None]) - 1
-    n_diag = (q_last - diag_lo[:, None] * bs) // bn + 1  # [S, split]
-    if dense:
-        n_off = (diag_lo * nsub)[None, :].expand(hkv, -1)
-    else:
-        n_off = cnt[slots].long().T * nsub  # [Hkv, S]
-    n_it = n_off[:, None, :, None] + n_diag[None, None]  # [Hkv, G/GP, S, split]
-    n_it = n_it.expand(hkv, g // gp, -1, -1)
-    n_it = torch.where(live[None, None], n_it, 1).reshape(-1).to(torch.int32)
-    n_items = n_it.numel()
-    pad = (-n_items) % nprog
-    tot = torch.nn.functional.pad(n_it, (0, pad)).view(-1, nprog).sum(0, dtype=torch.int32)
-    return n_it, tot
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, idx: torch.Tensor | None,
@@ -499,6 +326,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, idx: to
                out.stride(0), out.stride(1), lse.stride(0), idx.stride(0), idx.stride(1), cnt2.stride(0))
     global last_compiled
     if mode == "persistent":
+        from prefill_server.kernels.block_sparse.persistent import _attn_fwd_persistent, schedule
+
         if nprog is None:
             nprog = (torch.cuda.get_device_properties(q.device).multi_processor_count * ctas_per_sm
                      if q.is_cuda else 4)
