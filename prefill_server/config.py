@@ -52,6 +52,8 @@ class EngineConfig:
             raise ValueError(f"--fp8-attention must be {', '.join(FP8_ATTENTION)}, not {self.fp8_attention!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype must be {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
         if self.block_size not in (0, 1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"--block-size must be 0 (auto) or a power of two up to 256, not {self.block_size}")
         if self.token_budget < max(self.block_size, 1):
@@ -61,8 +63,12 @@ class EngineConfig:
         if self.host_cache_gib > 0 and not self.prefix_cache:
             raise ValueError("--host-cache-gib keeps blocks the prefix cache evicts: it needs --prefix-cache "
                              "(drop --no-prefix-cache, or --host-cache-gib)")
-        if self.max_num_seqs < 1 or self.kv_cache_gib <= 0 or self.num_kv_blocks < 0:
-            raise ValueError("--max-num-seqs, --kv-cache-gib must be positive, --num-kv-blocks >= 0")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"--max-num-seqs must be at least 1, not {self.max_num_seqs}")
+        if not self.kv_cache_gib > 0:
+            raise ValueError(f"--kv-cache-gib must be a positive size in GiB, not {self.kv_cache_gib}")
+        if self.num_kv_blocks < 0:
+            raise ValueError(f"--num-kv-blocks must be 0 (sized by --kv-cache-gib) or more, not {self.num_kv_blocks}")
         if self.attention not in ("dense", "sparse"):
             raise ValueError(f"--attention must be dense or sparse, not {self.attention!r}")
         if self.cpu_attention not in ("auto", "torch", "vllm"):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -33,9 +34,19 @@ class LoadedModel:
 
 
 def pick_device(name: str) -> torch.device:
+    """--device as a torch device: auto = the first GPU if torch sees one, else the CPU; a GPU that is
+    not there is refused here rather than at the first tensor put on it."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    device = torch.device(name)  # (the form is checked by EngineConfig.validate)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: torch {torch.__version__} sees no CUDA GPU here (a CPU-only "
+                             "build, or no GPU visible to this process); use --device cpu or auto")
+        if (device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: this process sees {torch.cuda.device_count()} GPU(s), "
+                             f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    return device
 
 
 def load(cfg: EngineConfig) -> LoadedModel:
@@ -111,6 +122,11 @@ def make_pool(cfg: EngineConfig, m: LoadedModel, block_size: int | None = None) 
     fmt = KVFormat.of(cfg.kv_cache_dtype, m.dtype)
     per_block = c.num_layers * c.num_kv_heads * bs * 2 * c.head_dim * fmt.storage_dtype.itemsize
     num_blocks = cfg.num_kv_blocks or max(1, int(cfg.kv_cache_gib * 2**30) // per_block)
+    if cfg.token_budget < bs:
+        whose = "" if cfg.block_size else " (the decode's, or the default)"
+        raise ValueError(f"--token-budget {cfg.token_budget} is below the KV block size, {bs} tokens{whose}: "
+                         f"give at least {bs}")
+    check_room(num_blocks * per_block, m.device, "--num-kv-blocks" if cfg.num_kv_blocks else "--kv-cache-gib")
     log.info("KV pool: %d blocks x %d tokens (%.2f GiB, %s), prefix cache %s", num_blocks, bs,
              num_blocks * per_block / 2**30, str(fmt.storage_dtype).removeprefix("torch."),
              "on" if cfg.prefix_cache else "off")
@@ -120,6 +136,45 @@ def make_pool(cfg: EngineConfig, m: LoadedModel, block_size: int | None = None) 
         log.info("prefix cache host tier: %.2f GiB (%d blocks)", cfg.host_cache_gib, host // per_block)
     return KVPool(c.num_layers, num_blocks, c.num_kv_heads, bs, c.head_dim, m.dtype, m.device, cache_salt=salt,
                   host_cache_bytes=host, cache_dtype=cfg.kv_cache_dtype)
+
+
+def host_memory_available() -> int:
+    """Bytes this process can still take: the kernel's MemAvailable (free plus reclaimable cache),
+    and within a container the room left under its cgroup's memory limit."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if avail is None:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read().strip())
+        if limit != "max":
+            avail = min(avail, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return avail
+
+
+def check_room(nbytes: int, device: torch.device, flag: str) -> None:
+    """Refuse a KV pool larger than the memory free on its device, naming the flag that sized it
+    (torch would fail with its allocator's message, or the OS kill the process later)."""
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    elif device.type == "cpu":
+        free = host_memory_available()
+    else:
+        return
+    if nbytes > free:
+        raise ValueError(f"{flag}: the KV pool would need {nbytes / 2**30:.2f} GiB, more than the "
+                         f"{free / 2**30:.2f} GiB free on {device}: give a smaller {flag}")
 
 
 def make_runner(m: LoadedModel, pool: KVPool, attention: str = "dense",

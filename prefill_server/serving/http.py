@@ -147,7 +147,8 @@ def create_app(service: PrefillService, decodes: DecodeSet | DecodeClient | None
         message = f"{e.detail}: {req.method} {req.url.path}"
         if e.status_code == 404:
             message += ("; this server serves POST /v1/completions, POST /v1/chat/completions, "
-                        "GET /v1/models, GET /v1/pool, GET /health, GET /livez and GET /metrics")
+                        "GET /v1/models, GET /v1/pool, POST /reset_prefix_cache, GET /health, GET /livez "
+                        "and GET /metrics")
         elif allow := {k.lower(): v for k, v in headers.items()}.get("allow"):
             message += f"; use {allow}"
         resp = _error(e.status_code, message, str(e.detail).title().replace(" ", ""))

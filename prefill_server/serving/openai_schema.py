@@ -49,6 +49,11 @@ class ChatBody(_Body):
     documents: list[dict[str, Any]] | None = None
 
 
+# fields of several accepted forms: what to say when a value fits none (pydantic names each form tried)
+_FORMS = {"prompt": "text, a list of token ids (integers), or a list holding one of those",
+          "content": "a string, a list of content parts ({\"type\": \"text\", \"text\": ...}), or null"}
+
+
 def parse(model_cls, body: Any):
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
@@ -56,7 +61,12 @@ def parse(model_cls, body: Any):
         return model_cls.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
-        where = ".".join(str(p) for p in err["loc"]) or "body"
+        loc = [str(p) for p in err["loc"]]
+        form = next((i for i, p in enumerate(loc) if p in _FORMS), None)
+        if form is not None and form + 1 < len(loc) and not loc[form + 1].isdigit():  # a union's branch
+            where = ".".join(loc[:form + 1])
+            raise InvalidRequest(f"invalid field '{where}': it must be {_FORMS[loc[form]]}", field=where) from None
+        where = ".".join(loc) or "body"
         raise InvalidRequest(f"invalid field '{where}': {err['msg']}", field=where) from None
 
 

@@ -230,12 +230,23 @@ def follow_decode_cache(ecfg: EngineConfig, scfg: ServerConfig, facts: DecodeFac
 
 
 def bind(host: str, port: int) -> socket.socket:
+    """The HTTP socket, bound (not yet listening: connections are refused until the server serves),
+    or an OSError naming --host / --port."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on such sockets' connections; without it each
     # response (head and body written apart) waited ~40 ms for the client's delayed ACK (Nagle)
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except socket.gaierror as e:
+        sock.close()
+        raise OSError(f"--host {host}: not an address of this machine, nor a name that resolves ({e.strerror})") \
+            from None
+    except OSError as e:
+        sock.close()
+        raise OSError(f"HTTP cannot listen on {host}:{port} (--host, --port): {e.strerror}; is the port in use, "
+                      "or the address not this machine's?") from None
     return sock
 
 
@@ -264,16 +275,24 @@ def serve(ecfg: EngineConfig, scfg: ServerConfig) -> None:
     api_keys = ApiKeys(api_key, scfg.protect_metrics) if api_key else None
     if scfg.protect_metrics and api_keys is None:
         raise ValueError("--protect-metrics needs an API key (--api-key-file, PREFILL_SERVER_API_KEY or --api-key)")
-    scfg = resolve_decode_engine(scfg)
-    backend = backend_for(scfg)
-    fleet = discover_fleet(scfg, backend, None, ecfg)
-    parity = check_tokenizers(ecfg, scfg, fleet)
-    service = build_service(ecfg, scfg, fleet, parity)
-    service.worker.start()  # (a pool: Ray, and its first worker running)
+    if scfg.transfer_mode == "connector" and scfg.decode_engine != "sglang":
+        from kv_transfer import wire
+
+        wire.load_secret(secret_file=scfg.connector.secret_file)  # (before any decode is waited for)
+    sock = bind(scfg.host, scfg.port)  # first: a port in use is said at once, not after the model loads
     try:
-        sock = bind(scfg.host, scfg.port)
+        scfg = resolve_decode_engine(scfg)
+        backend = backend_for(scfg)
+        fleet = discover_fleet(scfg, backend, None, ecfg)
+        parity = check_tokenizers(ecfg, scfg, fleet)
+        service = build_service(ecfg, scfg, fleet, parity)
     except BaseException:
-        service.worker.stop()
+        sock.close()
+        raise
+    try:
+        service.worker.start()  # (a pool: Ray, and its first worker running)
+    except BaseException:
+        sock.close()
         raise
     host, port = sock.getsockname()[:2]
 

@@ -213,3 +213,28 @@ def test_a_full_queue_is_refused_while_the_compute_thread_holds_the_lock(loaded)
     with pytest.raises(Overloaded):  # submit checks again under the lock
         eng.submit(PrefillRequest("q2", (1, 2, 3)))
     eng.stop()
+
+
+@pytest.mark.parametrize("kw,needle", [({"device": "banana"}, "--device must be"),
+                                       ({"device": "cuda:x"}, "--device must be"),
+                                       ({"max_num_seqs": 0}, "--max-num-seqs must be"),
+                                       ({"kv_cache_gib": 0.0}, "--kv-cache-gib must be"),
+                                       ({"num_kv_blocks": -1}, "--num-kv-blocks must be")])
+def test_engine_flags_are_checked_one_by_one(kw, needle):
+    with pytest.raises(ValueError, match=needle):
+        EngineConfig(**kw).validate()
+    EngineConfig(device="cuda:1").validate()  # (the form only: whether it is there is pick_device's)
+
+
+def test_a_gpu_that_is_not_there_and_a_pool_larger_than_memory_are_refused_by_flag(monkeypatch):
+    from prefill_server.engine import build
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="--device cuda: torch .* sees no CUDA GPU"):
+        build.pick_device("cuda")
+    assert build.pick_device("auto") == torch.device("cpu")
+    free = build.host_memory_available()
+    assert free > 0
+    build.check_room(free // 2, torch.device("cpu"), "--kv-cache-gib")
+    with pytest.raises(ValueError, match="--num-kv-blocks: the KV pool would need .* GiB free on cpu"):
+        build.check_room(free * 2, torch.device("cpu"), "--num-kv-blocks")

@@ -81,6 +81,32 @@ def test_cli_unreachable_decode_is_one_clear_line(tmp_path):
     assert "decode not ready (attempt 1" in r.stderr  # each retry is logged
 
 
+@pytest.mark.parametrize("args,needle", [
+    (["--host", "no.such.host.invalid"], "--host no.such.host.invalid: not an address"),
+    (["--port", "{busy}"], "HTTP cannot listen on 127.0.0.1:{busy} (--host, --port)"),
+    (["--transfer-mode", "connector", "--decode-url", "http://127.0.0.1:9"], "shared secret of at least 16"),
+    (["--token-budget", "1"], "--token-budget 1 is below the KV block size, 16 tokens"),
+    (["--kv-cache-gib", "100000"], "--kv-cache-gib: the KV pool would need 100000.00 GiB"),
+])
+def test_cli_startup_mistakes_are_one_line_naming_the_flag(args, needle):
+    """Refused at once, before any decode is waited for or the model loads where it can be, with
+    one line that names the flag; no traceback."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        args = [a.replace("{busy}", port) for a in args]
+        env = {k: v for k, v in os.environ.items() if k != "PREFILL_SERVER_SECRET"}
+        cmd = [EXE, "serve", "--transfer-mode", "local", "--warm-up-tokens", "0", "--port", "0", *args]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and needle.replace("{busy}", port) in errors[0], r.stderr
+
+
 def grpc_status(target: str) -> str:
     with grpc.insecure_channel(target) as ch:
         try:
