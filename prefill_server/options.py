@@ -112,7 +112,8 @@ OPTIONS: tuple[Option, ...] = (
     _opt("--attention", "engine", "engine.attention", "sparse: block-sparse attention for prompts past 8K "
          "tokens (all but the first layer); dense below that", choices=("dense", "sparse")),
     _opt("--token-budget", "engine", "engine.token_budget",
-         "prompt tokens per forward step (longer prompts are chunked)", type=int),
+         "prompt tokens per forward step (longer prompts are chunked); at least --block-size (as resolved: "
+         "the decode's when 0)", type=int),
     _opt("--max-num-seqs", "engine", "engine.max_num_seqs", "sequences per forward step", type=int),
     _opt("--block-size", "engine", "engine.block_size", "tokens per KV block; 0 = the decode's (read from its "
          "/metrics; 16 if unknown, e.g. without --decode-url). Must divide the decode's --block-size "
