@@ -123,6 +123,10 @@ def test_negative_control_corrupted_kv_changes_output(vllm_decode, fp32_gateway)
         ours = [t for t, _ in ask(fp32_gateway.url, p)]
     finally:
         producer.publish = publish
+        # the corrupted blocks are named in the prefix cache: a later test asking the same prompt
+        # would continue from them (test_first_token_from_prefill_answers_like_vllm_alone did)
+        assert fp32_gateway.wait_pool_empty() == 0
+        fp32_gateway.service.worker.reset_prefix_cache()
     assert ours != alone
     assert fp32_gateway.wait_pool_empty() == 0
 
