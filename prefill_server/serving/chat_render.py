@@ -17,18 +17,14 @@ from prefill_server.serving.decode_tokenizer import chat_fields
 
 
 def template_kwargs(request: dict) -> dict[str, Any]:
-    """The keyword arguments of ``token_parity.local_chat_ids`` for a validated chat body."""
-    if request.get("chat_template") is not None or (
-            isinstance(request.get("chat_template_kwargs"), dict)
-            and request["chat_template_kwargs"].get("chat_template") is not None):
+    """The keyword arguments of ``token_parity.local_chat_ids`` for a chat body that passed
+    ``openai_schema.ChatBody`` (so ``chat_template_kwargs`` is an object or absent)."""
+    fields = chat_fields(request)
+    kwargs = fields.get("chat_template_kwargs") or {}
+    if request.get("chat_template") is not None or kwargs.get("chat_template") is not None:
         raise InvalidRequest("a chat template sent with the request is not taken: the prefill server renders "
                              "the model's own template (as a vLLM decode without --trust-request-chat-template "
                              "does); leave chat_template out", field="chat_template")
-    fields = chat_fields(request)
-    kwargs = fields.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict):
-        raise InvalidRequest("chat_template_kwargs must be an object of template variables",
-                             field="chat_template_kwargs")
     if "tokenize" in kwargs:
         raise InvalidRequest("chat_template_kwargs may not set 'tokenize'", field="chat_template_kwargs")
     out = dict(kwargs)

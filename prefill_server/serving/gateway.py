@@ -26,7 +26,6 @@ import httpx
 from prefill_server.engine.worker import Route, SamplingParams
 from prefill_server.errors import (DecodeNotReached, DecodeUnavailable, InvalidRequest, PrefillError, PromptMismatch,
                                    PromptTooLong)
-from prefill_server.serving import chat_render
 from prefill_server.serving import first_token as ft
 from prefill_server.serving import openai_schema as schema
 from prefill_server.serving import prefill_instance as pi
@@ -159,10 +158,8 @@ class Gateway:
         body = schema.parse(schema.ChatBody, raw)
         remote_decode = self._wants_remote_decode(raw)
         self._check_model(raw, body.model)
-        # (with --tokenizer-parity decode the decode renders the body itself, by its own rules)
-        kwargs = chat_render.template_kwargs(raw) if svc.through_decode is None else {}
         svc.worker.check_admission()
-        token_ids = await svc.encode_chat_async(schema.chat_messages(body), request=raw, **kwargs)
+        token_ids = await svc.encode_chat_async(schema.chat_messages(body), request=raw)
         self._check_fits(len(token_ids), body.max_completion_tokens or body.max_tokens, body.truncate_prompt_tokens)
         if remote_decode:
             return await self._as_prefill_instance(True, raw, token_ids, sampling_of(body), body.stream, outcome, tag)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from prefill_server.backends import TransferBackend
 from prefill_server.engine.worker import PrefillRequest, PrefillResult, PrefillWorker, Route, SamplingParams
 from prefill_server.errors import InvalidRequest, PromptTooLong, UnknownModel
+from prefill_server.serving import chat_render
 from prefill_server.serving.decode_tokenizer import ThroughDecode, chat_fields
 from prefill_server.serving.token_parity import ParityOutcome, local_chat_ids
 
@@ -97,18 +98,19 @@ class PrefillService:
             return await self.through_decode.encode(prompt, add_special_tokens)
         return await asyncio.to_thread(self.encode_prompt, prompt, add_special_tokens)
 
-    async def encode_chat_async(self, messages: list[dict], request: dict | None = None,
-                                **template_kwargs) -> list[int]:
+    async def encode_chat_async(self, messages: list[dict], request: dict | None = None) -> list[int]:
         """A chat's ids, after a length check on the messages' text: rendered and tokenized off the
         event loop, or by the decode's /tokenize with --tokenizer-parity decode. ``request``: the
-        client's chat body, whose messages and rendering fields the decode is sent as they came (it
-        renders them itself when it answers the chat)."""
+        client's chat body (validated), whose messages and rendering fields the decode is sent as they
+        came (it renders them itself when it answers the chat): rendered here by the same rules
+        (``chat_render``), or by the decode's /tokenize as they are."""
         self.check_text_length("".join(str(m.get("content") or "") for m in messages))
         if self.through_decode is not None:
             if request is not None:
                 return await self.through_decode.encode_chat(request["messages"], chat_fields(request))
-            return await self.through_decode.encode_chat(messages, template_kwargs)
-        return await asyncio.to_thread(self.encode_chat, messages, **template_kwargs)
+            return await self.through_decode.encode_chat(messages, None)
+        kwargs = chat_render.template_kwargs(request) if request is not None else {}
+        return await asyncio.to_thread(self.encode_chat, messages, **kwargs)
 
     async def prefill(self, token_ids: list[int], sampling: SamplingParams = SamplingParams(),
                       request_id: str | None = None, num_logprobs: int | None = None,
