@@ -1,7 +1,10 @@
 """The parts of OpenAI request bodies the gateway reads, validated with clear messages.
 
-Bodies are otherwise passed to the decode unchanged (it validates its own sampling fields), so these
-models allow extra fields.
+Bodies are otherwise passed to the decode unchanged, so these models allow extra fields. The
+sampling fields are checked by the decode's own rules (vLLM's request classes and ``SamplingParams``,
+the ranges OpenAI documents) before anything is computed: a body the decode would refuse is refused
+here, not after its prompt was prefilled. Limits a decode sets itself (``--max-logprobs``, its number
+of stop strings) stay the decode's to check.
 """
 from __future__ import annotations
 
@@ -17,17 +20,45 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: StrictStr | None = None
     stream: StrictBool = False
+    stream_options: dict[str, Any] | None = None
     max_tokens: StrictInt | None = Field(default=None, ge=1)
-    temperature: StrictFloat | None = Field(default=None, ge=0.0)  # a JSON number, not "0.7" or true
+    # a JSON number, not "0.7" or true; the ranges are SamplingParams'
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
     top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: StrictInt | None = None
+    top_k: StrictInt | None = Field(default=None, ge=-1)  # (0 or -1: off)
+    min_p: StrictFloat | None = Field(default=None, ge=0.0, le=1.0)
+    presence_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: StrictFloat | None = Field(default=None, gt=0.0)
+    min_tokens: StrictInt | None = Field(default=None, ge=0)
+    stop: StrictStr | list[StrictStr] | None = None
+    prompt_logprobs: StrictInt | None = Field(default=None, ge=-1)  # (-1: the whole vocabulary)
     seed: StrictInt | None = Field(default=None, ge=-2**63, le=2**63 - 1)  # a 64-bit seed, as vLLM takes
     n: StrictInt | None = Field(default=None, ge=1, le=1)
     truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)  # (-1: the context's length)
 
+    def _limit(self) -> int | None:
+        return self.max_tokens
+
+    def check(self) -> None:
+        """The checks across fields (after each field's own)."""
+        if self.stream_options and not self.stream:  # (an empty object passes, as in vLLM)
+            raise InvalidRequest("stream_options is only for streamed answers: set \"stream\": true or drop "
+                                 "stream_options", field="stream_options")
+        if self.stream and self.prompt_logprobs not in (None, 0):
+            raise InvalidRequest("prompt_logprobs are not available in streamed answers: set \"stream\": false "
+                                 "or drop prompt_logprobs", field="prompt_logprobs")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if any(s == "" for s in stops):
+            raise InvalidRequest("stop cannot contain an empty string", field="stop")
+        if self.min_tokens is not None and self._limit() is not None and self.min_tokens > self._limit():
+            raise InvalidRequest(f"min_tokens ({self.min_tokens}) must not exceed the answer's token limit "
+                                 f"({self._limit()})", field="min_tokens")
+
 
 class CompletionBody(_Body):
     prompt: Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]]
+    logprobs: StrictInt | None = Field(default=None, ge=-1)  # (-1: the whole vocabulary)
 
 
 class ChatMessage(BaseModel):
@@ -47,6 +78,19 @@ class ChatBody(_Body):
     chat_template: StrictStr | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=-1)  # (-1: the whole vocabulary)
+
+    def _limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def check(self) -> None:
+        super().check()
+        if self.tools == []:
+            raise InvalidRequest("tools must not be an empty list: send at least one tool or leave tools out",
+                                 field="tools")
+        if self.top_logprobs not in (None, 0) and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs \"logprobs\": true", field="top_logprobs")
 
 
 # fields of several accepted forms: what to say when a value fits none (pydantic names each form tried)
@@ -58,7 +102,7 @@ def parse(model_cls, body: Any):
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     try:
-        return model_cls.model_validate(body)
+        parsed = model_cls.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
         loc = [str(p) for p in err["loc"]]
@@ -68,6 +112,8 @@ def parse(model_cls, body: Any):
             raise InvalidRequest(f"invalid field '{where}': it must be {_FORMS[loc[form]]}", field=where) from None
         where = ".".join(loc) or "body"
         raise InvalidRequest(f"invalid field '{where}': {err['msg']}", field=where) from None
+    parsed.check()
+    return parsed
 
 
 def single_prompt(prompt) -> str | list[int]:

@@ -4,7 +4,7 @@ change (never a 5xx, never a hang), the server keeps serving, and the pool drain
 
 Each request is a valid body with one to three mutations. A mutation either breaks the request (it
 carries a word its error message must contain when it is the only breaking one) or is passed through
-(a field the gateway leaves to the decode, such as ``stop`` or ``logprobs``: the answer is then 200).
+(a field the gateway leaves to the decode, such as ``echo`` or ``logit_bias``: the answer is then 200).
 Seeded (hypothesis, derandomized), a few hundred requests, about 20 s on 2 CPU cores."""
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ COMMON = (
     + typed("max_tokens", ["ten", "3", 1.5, 2.0, True, 0, -1, -10**30, [1], {}])
     + [("max_tokens", v, None) for v in (None, 1, 16, 10**30)]  # the decode checks its own limits
     + typed("temperature", ["0.5", True, False, -0.5, -1e-300, -10**30, [0.5], {}, "hot"])
-    + [("temperature", v, None) for v in (None, 0, 0.0, 1e-300, 0.7, 2, 1e300)]
+    + [("temperature", v, None) for v in (None, 0, 0.0, 1e-300, 0.7, 2)] + typed("temperature", [2.0001, 1e300])
     + typed("top_p", [0, 0.0, -0.1, 1.0000001, 2, 10**30, "1", False, [], {}])
     + [("top_p", v, None) for v in (None, 5e-324, 0.5, 1, 1.0)]
     + typed("top_k", [0, -2, -10**30, 1.5, "5", True, [], {}]) + [("top_k", v, None) for v in (-1, 1, 5, 10**30)]
@@ -98,9 +98,15 @@ COMMON = (
     + typed("n", [0, 2, -1, 10**30, "1", 1.0, True, []]) + [("n", v, None) for v in (None, 1)]
     # JSON that Python parses but is not JSON (or not text), in any field, known or not
     + [(f, v, needle) for f in ("temperature", "max_tokens", "stop", "user", "extra") for v, needle in JSON_LEVEL]
+    # sampling fields checked as the decode checks them (``test_sampling_checks.py``)
+    + typed("stop", [5, -10**30, [1, "a", None], {"a": {"b": []}}, nested(100), "", ["a", ""]])
+    + [("stop", v, None) for v in ("x" * 20000, None, "🙂\u2028", ["a", "b"], [])]
+    + typed("presence_penalty", [5, -10**30, "x", [1], {}, nested(100), 2.5])
+    + [("presence_penalty", v, None) for v in (None, -2, 1.5)]
+    + typed("stream_options", [5, "x" * 20000, [1, "a", None], nested(100)]) + [("stream_options", None, None)]
     # fields the gateway forwards to the decode unread: any JSON passes here
-    + [(f, v, None) for f in ("stop", "logprobs", "echo", "logit_bias", "user", "presence_penalty", "best_of",
-                              "suffix", "stream_options", "response_format", "", "\u0000", "x" * 300, "🙂")
+    + [(f, v, None) for f in ("echo", "logit_bias", "user", "best_of", "suffix", "response_format", "", "\u0000",
+                              "x" * 300, "🙂")
        for v in (5, -10**30, "x" * 20000, [1, "a", None], {"a": {"b": []}}, nested(100), None, "🙂\u2028")]
 )
 
@@ -113,6 +119,7 @@ PROMPT = (
     + [("prompt", v, "vocabulary") for v in ([-1], [1, VOCAB], [10**30], [-10**30], [5, 2**63, 7], [VOCAB + 1] * 3)]
     + [("prompt", v, "context") for v in ([1] * (CONTEXT + 1), [[2] * 9000], "word " * 9000, "x" * 100_000)]
     + [("prompt", v, "shorter prompt") for v in ([1] * (POOL_TOKENS + 1), [[3] * 5000], "hi " * 3000)]
+    + typed("logprobs", [-2, -10**30, "x", True, [1], {}]) + [("logprobs", v, None) for v in (None, 0, 5, -1)]
     + [("prompt", v, "surrogate") for v in SURROGATES]
     + [("prompt", v, "JSON") for v in BAD_UTF8]
     + [("prompt", v, None) for v in ("🙂 ok", "\u0000", Raw('"\\ud83d\\ude00"'), [0], [VOCAB - 1], ["hello"],
@@ -138,10 +145,11 @@ CHAT = (
                                       {"role": "user", "content": [{"type": "text", "text": "a"}]},
                                       {"role": "user", "content": "x", "name": 5, "tool_calls": "x"},
                                       {"role": "developer", "content": "🙂"}, {"role": "system"})]
+    + typed("logprobs", [5, "x", [], {}]) + [("logprobs", v, None) for v in (None, True, False)]
     + typed("max_completion_tokens", [0, -1, "5", 1.5, True, []])
     + [("max_completion_tokens", v, None) for v in (None, 1, 10**30)]
-    + typed("tools", [5, "x", {"a": 1}, [5], [None], ["f"], [[]], True])
-    + [("tools", v, None) for v in (None, [], [{"type": "function", "function": {"name": "f", "parameters": {}}}])]
+    + typed("tools", [5, "x", {"a": 1}, [5], [None], ["f"], [[]], True, []])
+    + [("tools", v, None) for v in (None, [{"type": "function", "function": {"name": "f", "parameters": {}}}])]
 )
 
 
