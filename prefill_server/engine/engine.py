@@ -111,6 +111,17 @@ class Engine:
         self._expired_seen = 0
         self._evictions_seen = self._restored_seen = 0
         self.throughput = ThroughputMeter()
+        self._warn_if_pool_short(streams)
+
+    def _warn_if_pool_short(self, streams: bool) -> None:
+        """A pool that cannot hold the model's longest prompt serves, but refuses those prompts (400):
+        say so at start, not at the first long request."""
+        needed = self.scheduler.blocks_for(self.max_model_len, streams)
+        if needed > self.pool.num_blocks:
+            log.warning("the KV pool has %d blocks of %d tokens; a prompt of the model's full context (%d tokens) "
+                        "needs %d: longer prompts than the pool holds will be refused with 400; raise "
+                        "--kv-cache-gib or --num-kv-blocks to serve them", self.pool.num_blocks,
+                        self.pool.block_size, self.max_model_len, needed)
 
     # ---- lifecycle ----
     def warm_up(self, num_tokens: int) -> float | None:

@@ -238,3 +238,16 @@ def test_a_gpu_that_is_not_there_and_a_pool_larger_than_memory_are_refused_by_fl
     build.check_room(free // 2, torch.device("cpu"), "--kv-cache-gib")
     with pytest.raises(ValueError, match="--num-kv-blocks: the KV pool would need .* GiB free on cpu"):
         build.check_room(free * 2, torch.device("cpu"), "--num-kv-blocks")
+
+
+def test_a_pool_shorter_than_the_context_is_named_at_start(loaded, caplog):
+    """SmolLM2's 8,192-token context needs 512 blocks of 16: a pool of 64 says so when the engine is
+    built (its longer prompts get 400), one of 512 says nothing."""
+    with caplog.at_level("WARNING", logger="prefill_server.engine.engine"):
+        eng = make_engine(loaded, num_blocks=64)
+        eng.stop()
+    assert any("needs 512" in r.message and "--kv-cache-gib" in r.message for r in caplog.records), caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="prefill_server.engine.engine"):
+        make_engine(loaded, num_blocks=512).stop()
+    assert not [r for r in caplog.records if "KV pool" in r.message], caplog.text
