@@ -281,7 +281,8 @@ OPTIONS: tuple[Option, ...] = (
          "PEM CA bundle: require gRPC client certificates signed by it (mutual TLS)"),
     # server
     _opt("--drain-timeout", "server", "server.drain_timeout_s", "on SIGTERM or SIGINT: readiness fails at "
-         "once, in-flight HTTP requests get this long to finish, then gRPC drains and the engine stops",
+         "once, in-flight HTTP requests get this long to finish (those still running then get 503 "
+         "ServerStopping; a second signal stops at once), then gRPC drains and the engine stops",
          type=float, metavar="SECONDS"),
     _opt("--log-level", "server", "log_level", "debug | info | warning | error", choices=LOG_LEVELS),
 )

@@ -8,12 +8,18 @@ has one), then runs the app as a task while it waits on the connection itself: a
 the response is complete cancels that task, and the cancellation reaches whatever the handler
 awaits (the engine aborts the prefill and frees its blocks; an open decode request is closed, and
 vLLM aborts it). The app sees the body as usual, then ``http.disconnect`` once the client is gone.
+
+A request the server itself stops (still running when ``--drain-timeout`` ends, or at a second
+SIGTERM) ends with 503 ``ServerStopping`` (a stream: an error event and ``[DONE]``), not uvicorn's
+bare 500 and a traceback.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+
+from prefill_server.serving.relay import error_event
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +76,7 @@ class RequestGuard:
     async def _run(self, scope, receive, send, body: bytes) -> None:
         gone = asyncio.Event()
         delivered = complete = False
+        started: dict | None = None  # the response's start message, once sent
 
         async def replay():
             nonlocal delivered
@@ -80,7 +87,9 @@ class RequestGuard:
             return {"type": "http.disconnect"}
 
         async def tracked_send(msg) -> None:
-            nonlocal complete
+            nonlocal complete, started
+            if msg["type"] == "http.response.start":
+                started = msg
             if msg["type"] == "http.response.body" and not msg.get("more_body", False):
                 complete = True
             await send(msg)
@@ -100,7 +109,36 @@ class RequestGuard:
             except asyncio.CancelledError:
                 if not gone.is_set():
                     raise  # (the server is cancelling us: not the client's doing)
+        except asyncio.CancelledError:
+            if gone.is_set() or complete:
+                raise
+            log.warning("%s %s stopped by the server's shutdown before it finished", scope["method"], scope["path"])
+            await _stopped(send, started)  # (and the cancellation ends here: uvicorn has nothing to report)
         finally:
             for t in (app, watch):
                 if not t.done():
                     t.cancel()
+
+
+_STOPPING = ("the server stopped before this request finished (it was still running when the shutdown's "
+             "--drain-timeout ended, or at a second SIGTERM): retry it")
+
+
+async def _stopped(send, started: dict | None) -> None:
+    """End a response the server's shutdown cut off: a 503, or, within a stream already started, an
+    OpenAI error event and [DONE]."""
+    try:
+        if started is None:
+            content = json.dumps({"error": {"message": _STOPPING, "type": "ServerStopping", "param": None,
+                                            "code": 503}}).encode()
+            await send({"type": "http.response.start", "status": 503,
+                        "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1"),
+                                    (b"content-length", str(len(content)).encode()), (b"connection", b"close")]})
+            await send({"type": "http.response.body", "body": content})
+            return
+        stream = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                     for k, v in started.get("headers", []))
+        tail = error_event(_STOPPING, "ServerStopping", 503) + b"data: [DONE]\n\n" if stream else b""
+        await send({"type": "http.response.body", "body": tail})
+    except Exception:  # noqa: BLE001 (the connection may be gone already: nothing left to tell)
+        pass

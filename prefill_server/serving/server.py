@@ -269,6 +269,16 @@ class _Uvicorn(uvicorn.Server):
     def capture_signals(self):
         yield
 
+    async def shutdown(self, sockets=None) -> None:
+        await super().shutdown(sockets)
+        if self.force_exit:  # (a second signal) uvicorn leaves the requests in flight and the app's own
+            tasks = list(self.server_state.tasks)  # shutdown to asyncio.run's final cancel: end them here,
+            for t in tasks:  # each with its 503 (RequestGuard), then the app's shutdown
+                t.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=5.0)
+            await self.lifespan.shutdown()
+
 
 def serve(ecfg: EngineConfig, scfg: ServerConfig) -> None:
     api_key = load_api_key(scfg.api_key, scfg.api_key_file)

@@ -152,3 +152,37 @@ def test_sigterm_drains_then_cleans_up(tmp_path):
             proc.kill()
     text = log.read_text()
     assert "SIGTERM received: draining" in text and "stopped: engine, gRPC and decode client closed" in text, text
+
+
+@pytest.mark.parametrize("how", ["drain timeout", "second SIGTERM"])
+def test_a_request_the_shutdown_cuts_off_gets_a_clear_503(tmp_path, how):
+    """A request still running when --drain-timeout ends, or at a second SIGTERM, is answered 503
+    ServerStopping with Retry-After (not uvicorn's bare 500), and the process exits 0 without a
+    traceback in its log."""
+    log = tmp_path / "serve.log"
+    proc = subprocess.Popen([EXE, "serve", "--transfer-mode", "local", "--port", "0", "--dtype", "float32",
+                             "--num-kv-blocks", "512", "--block-size", "16", "--token-budget", "16",
+                             "--drain-timeout", "1" if how == "drain timeout" else "60"],
+                            stdout=subprocess.PIPE, stderr=open(log, "wb"), text=True)
+    try:
+        url = re.search(r"listening on (http://\S+)", proc.stdout.readline()).group(1)
+        result = {}
+        slow = threading.Thread(target=lambda: result.update(r=httpx.post(
+            url + "/v1/completions", json={"prompt": "the sea " * 1500, "temperature": 0}, timeout=120)))
+        slow.start()
+        time.sleep(1.0)  # ~3,000 tokens in steps of 16: running for a while yet
+        assert slow.is_alive()
+        proc.send_signal(signal.SIGTERM)
+        if how == "second SIGTERM":
+            time.sleep(0.3)
+            proc.send_signal(signal.SIGTERM)
+        slow.join(timeout=60)
+        r = result["r"]
+        assert r.status_code == 503 and r.headers.get("retry-after") == "1", r.text
+        assert r.json()["error"]["type"] == "ServerStopping" and "retry it" in r.json()["error"]["message"]
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert "Traceback" not in text and "stopped: engine, gRPC and decode client closed" in text, text
