@@ -128,6 +128,8 @@ class Tokenizer:
                                  "add_generation_prompt to false to continue the final message",
                                  field="continue_final_message")
         messages = validate_messages(messages)
+        if not ('"developer"' in self.chat_template or "'developer'" in self.chat_template):
+            messages = developer_as_system(messages)
         if self._compiled is None:
             self._compiled = _compile(self.chat_template)
         context = {**self.special_tokens, **kwargs}
@@ -191,6 +193,26 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
                 raise InvalidRequest(f"messages[{i}].{key} must be a string ({got})", field="messages")
         out.append({k: v for k, v in m.items() if v is not None})
     return out
+
+
+def developer_as_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI's ``developer`` messages for a chat template that does not name that role, as vLLM 0.32
+    renders them: each becomes a ``system`` message (its ``tools`` dropped), then, if a system message
+    is not first or there are several, their non-empty contents are merged into one system message at
+    the front (joined by a blank line; the others' order kept)."""
+    if not any(m["role"] == "developer" for m in messages):
+        return messages
+    messages = [{k: v for k, v in m.items() if k != "tools"} | {"role": "system"} if m["role"] == "developer"
+                else m for m in messages]
+    system, rest, merge = [], [], False
+    for i, m in enumerate(messages):
+        if m["role"] != "system":
+            rest.append(m)
+            continue
+        merge = merge or i > 0 or bool(system)
+        if m.get("content"):
+            system.append(m["content"])
+    return [{"role": "system", "content": "\n\n".join(system)}, *rest] if merge else messages
 
 
 def _leading_space_marker(tokenizer_json: dict) -> str | None:

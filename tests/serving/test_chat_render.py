@@ -1,13 +1,33 @@
 """A chat body's rendering here follows vLLM 0.32's chat endpoint (``ChatCompletionRequest.
 build_chat_params``: the request's own fields override ``chat_template_kwargs``; a request template
 is refused unless the decode trusts it), since the decode renders the same body itself."""
+import json
+import pathlib
+import subprocess
+
 import pytest
 
 from prefill_server.errors import InvalidRequest
+from prefill_server.models.tokenizer import developer_as_system
 from prefill_server.serving.chat_render import template_kwargs
 from prefill_server.serving.token_parity import local_chat_ids
 
 MSGS = [{"role": "user", "content": "Hi"}]
+REPO = pathlib.Path(__file__).resolve().parents[2]
+VLLM_PY = REPO / ".venv-vllm" / "bin" / "python"
+REFERENCE = pathlib.Path(__file__).with_name("vllm_serving_reference.py")
+
+D, S, U, A = "developer", "system", "user", "assistant"
+CONVERSATIONS = [[{"role": r, "content": c} for r, c in conv] for conv in (
+    [(D, "Be brief."), (U, "Name a colour.")],
+    [(S, "You are kind."), (D, "Be brief."), (U, "Hi")],
+    [(U, "Hi"), (D, "Answer in French.")],
+    [(D, ""), (U, "Hi")],
+    [(D, ""), (D, "x"), (U, "Hi"), (A, "Hello"), (D, "y"), (U, "Again")],
+    [(S, ""), (U, "Hi"), (D, "late")],
+    [(U, "Hi"), (A, "Hello")],
+    [(S, "only system"), (U, "Hi")],
+)] + [[{"role": D, "content": "d", "tools": [{"type": "function"}], "name": "dev"}, {"role": U, "content": "u"}]]
 
 
 def test_defaults_are_the_chat_endpoints():
@@ -48,3 +68,23 @@ def test_local_ids_follow_the_fields(local_service):
     assert tok.decode(cont).endswith("Hello")
     with pytest.raises(InvalidRequest, match="cannot both be true"):
         local_chat_ids(tok, msgs, template_kwargs({"messages": msgs, "continue_final_message": True}))
+
+
+def test_developer_messages_become_system_as_vllm_renders_them():
+    """For a template that does not name the role (SmolLM2's), each conversation as vLLM 0.32's HF
+    renderer hands it to the template (``vllm_serving_reference.py roles``)."""
+    ours = [developer_as_system(c) for c in CONVERSATIONS]
+    assert ours[0] == [{"role": S, "content": "Be brief."}, {"role": U, "content": "Name a colour."}]
+    assert ours[1][0] == {"role": S, "content": "You are kind.\n\nBe brief."} and len(ours[1]) == 2
+    if not VLLM_PY.exists():
+        pytest.skip("no .venv-vllm (scripts/setup.sh makes it)")
+    out = subprocess.run([str(VLLM_PY), str(REFERENCE), "roles"], input=json.dumps(CONVERSATIONS),
+                         capture_output=True, text=True, timeout=300, cwd="/")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert ours == json.loads(out.stdout)
+
+
+def test_a_developer_message_renders_as_system_with_smollm2(local_service):
+    tok = local_service.tokenizer
+    dev = [{"role": D, "content": "Be brief."}, {"role": U, "content": "Name a colour."}]
+    assert tok.encode_chat(dev) == tok.encode_chat([{"role": S, "content": "Be brief."}, dev[1]])

@@ -1,7 +1,7 @@
 """The gateway refuses a body the vLLM decode would refuse before computing its prompt.
 
 Each body below is checked by ``openai_schema.parse`` and, where .venv-vllm exists, by vLLM 0.32's own
-request classes (``vllm_body_check.py``): the two must agree on every body, so a prompt is prefilled
+request classes (``vllm_serving_reference.py``): the two must agree on every body, so a prompt is prefilled
 only for a request the decode will take, and no request the decode takes is refused here.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from prefill_server.serving import openai_schema as schema
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 VLLM_PY = REPO / ".venv-vllm" / "bin" / "python"
-REFERENCE = pathlib.Path(__file__).with_name("vllm_body_check.py")
+REFERENCE = pathlib.Path(__file__).with_name("vllm_serving_reference.py")
 
 PROMPT = {"model": "m", "prompt": "hello there"}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
@@ -99,8 +99,8 @@ def test_our_checks_agree_with_vllms_own_on_every_body():
     if not VLLM_PY.exists():
         pytest.skip("no .venv-vllm (scripts/setup.sh makes it)")
     cases = _cases()
-    out = subprocess.run([str(VLLM_PY), str(REFERENCE)], input=json.dumps(cases), capture_output=True, text=True,
-                         timeout=300, cwd="/")
+    out = subprocess.run([str(VLLM_PY), str(REFERENCE), "bodies"], input=json.dumps(cases), capture_output=True,
+                         text=True, timeout=300, cwd="/")
     assert out.returncode == 0, out.stderr[-2000:]
     theirs = json.loads(out.stdout)
     assert len(theirs) == len(cases)

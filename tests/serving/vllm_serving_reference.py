@@ -1,6 +1,6 @@
-"""Run vLLM 0.32's own request validation (in .venv-vllm, never imported by our tests).
+"""Run vLLM 0.32's own serving code (in .venv-vllm, never imported by our tests).
 
-    .venv-vllm/bin/python tests/serving/vllm_body_check.py < cases.json
+    .venv-vllm/bin/python tests/serving/vllm_serving_reference.py bodies < cases.json
         stdin: a JSON list of {"endpoint": "completion" | "chat", "body": an OpenAI request body};
         stdout: a JSON list of {"ok": bool, "error": str}: whether vLLM's request class
         (``CompletionRequest`` / ``ChatCompletionRequest``, its validators) and the
@@ -8,6 +8,10 @@
         accept the body, as its serving layer does before a request is scheduled. The answer's token
         limit is the body's ``max_tokens`` (or ``max_completion_tokens``), else 16: a prompt that
         leaves the context room.
+    .venv-vllm/bin/python tests/serving/vllm_serving_reference.py roles < conversations.json
+        stdin: a JSON list of conversations (lists of {"role", "content", ...} with string content);
+        stdout: each as vLLM's HF renderer hands it to a chat template that does not name the
+        ``developer`` role (``_convert_developer_to_system``, then ``_consolidate_system_messages``).
 """
 from __future__ import annotations
 
@@ -15,12 +19,12 @@ import json
 import sys
 
 
-def main() -> None:
+def bodies(cases: list[dict]) -> list[dict]:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
     out = []
-    for case in json.load(sys.stdin):
+    for case in cases:
         body = case["body"]
         cls = ChatCompletionRequest if case["endpoint"] == "chat" else CompletionRequest
         limit = body.get("max_completion_tokens") or body.get("max_tokens") or 16
@@ -29,8 +33,19 @@ def main() -> None:
             out.append({"ok": True, "error": ""})
         except Exception as e:  # noqa: BLE001 (any refusal is the answer)
             out.append({"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"})
-    json.dump(out, sys.stdout)
+    return out
+
+
+def roles(conversations: list[list[dict]]) -> list[list[dict]]:
+    from vllm.renderers import hf
+
+    out = []
+    for conv in conversations:
+        if any(m["role"] == "developer" for m in conv):  # (vLLM's condition, with a template without it)
+            conv = hf._consolidate_system_messages(hf._convert_developer_to_system(conv))
+        out.append(conv)
+    return out
 
 
 if __name__ == "__main__":
-    main()
+    json.dump({"bodies": bodies, "roles": roles}[sys.argv[1]](json.load(sys.stdin)), sys.stdout)
