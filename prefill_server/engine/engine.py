@@ -186,8 +186,9 @@ class Engine:
         if n == 0:
             raise InvalidRequest("the prompt is empty: send at least one token", field="prompt")
         if n > self.max_model_len:
-            raise PromptTooLong(f"the prompt has {n} tokens, more than the model's context of "
-                                f"{self.max_model_len}: shorten it", field="prompt")
+            raise PromptTooLong(f"the prompt has {n} tokens, more than the {self.max_model_len} served here (the "
+                                "model's context, or the decode's --max-model-len if smaller): shorten it",
+                                field="prompt")
         ids = req.prompt_token_ids
         if min(ids) < 0 or max(ids) >= self.vocab_size:  # (C-speed; the list only when one is bad)
             bad = [t for t in ids if not (0 <= t < self.vocab_size)]

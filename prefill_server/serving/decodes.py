@@ -34,6 +34,7 @@ DOWN_INTERVAL_S = 1.0
 class Decode:
     client: DecodeClient
     group: str = ""  # TransferBackend.decode_group: decodes that take the same kv_transfer_params
+    model: str = ""  # the model id the decode serves (what it is sent, whatever name clients use here)
     up: bool = True  # the server starts once every decode answered (discovery)
     reason: str | None = None  # why it is down
     outstanding: int = 0  # requests sent to it and not finished

@@ -368,6 +368,8 @@ class Gateway:
         tried = [c.decode.decode]
         while True:
             client = c.decode.decode.client
+            if c.decode.decode.model:  # (--served-model-name may name the model otherwise here)
+                c.body["model"] = c.decode.decode.model
             try:
                 if c.stream:
                     return await client.open_stream(c.path, c.body)

@@ -58,6 +58,9 @@ def build_service(ecfg: EngineConfig, scfg: ServerConfig,
     m = worker.loaded
     c = m.config
     served = scfg.served_model_name or (fleet[0].served_model_name if fleet else m.path)
+    if fleet and not fleet[0].declared and served != fleet[0].served_model_name:
+        log.info("clients name the model %r here; requests reach the decodes as their own %r", served,
+                 fleet[0].served_model_name)
     source = ("the decode's --max-model-len" if worker.max_model_len < c.max_position_embeddings
               else "the model's context")
     info = ModelInfo(served, m.path, c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size, worker.max_model_len,
@@ -159,7 +162,8 @@ def decode_set(fleet: tuple[DecodeFacts, ...], backend: TransferBackend, scfg: S
     reachable = [f for f in fleet if not f.declared]
     if not reachable:
         return None
-    return DecodeSet([Decode(DecodeClient(f.url, scfg.decode_timeout_s), backend.decode_group(f)) for f in reachable],
+    return DecodeSet([Decode(DecodeClient(f.url, scfg.decode_timeout_s), backend.decode_group(f), f.served_model_name)
+                      for f in reachable],
                      scfg.decode_health_interval_s, metrics, admit=admit)
 
 

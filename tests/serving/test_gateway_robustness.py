@@ -263,3 +263,22 @@ def test_a_client_closing_right_after_done_is_ok_not_cancelled():
             assert counter(svc, "requests", "cancelled") == before[1]
     finally:
         svc.worker.engine.stop()
+
+
+def test_the_decode_is_sent_its_own_model_name():
+    """With --served-model-name the clients' model id differs from the decode's: the decode is sent
+    its own (vLLM answers 404 to any other), whatever the client named."""
+    from prefill_server.serving.decodes import Decode, DecodeSet
+
+    svc = make_service(num_blocks=64, max_queue_wait_s=30.0)
+    svc.worker.engine.start()
+    try:
+        with FakeDecode(model="decode-name") as decode:
+            decodes = DecodeSet([Decode(DecodeClient(decode.url), "", "decode-name")])
+            with BackgroundServer(create_app(svc, decodes)) as gw:
+                for body in ({"prompt": "hello there", "model": svc.info.served_name}, {"prompt": "hello there"}):
+                    r = httpx.post(gw.url + "/v1/completions", json=body | {"max_tokens": 3}, timeout=30)
+                    assert r.status_code == 200, r.text
+                    assert decode.requests[-1]["model"] == "decode-name"
+    finally:
+        svc.worker.engine.stop()
