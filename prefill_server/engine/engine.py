@@ -107,7 +107,7 @@ class Engine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._aborts: set[str] = set()
-        self._finishing: dict[str, Sequence] = {}  # push requests computed, in producer.finish
+        self._finishing: dict[str, Sequence] = {}  # requests computed, their KV being handed over
         self._expired_seen = 0
         self._evictions_seen = self._restored_seen = 0
         self.throughput = ThroughputMeter()
@@ -309,7 +309,7 @@ class Engine:
                 self._wake.notify_all()
                 return True
             if (seq := self._finishing.get(request_id)) is not None:
-                seq.abort_requested = True  # its finish stops waiting; _finish aborts the push
+                seq.abort_requested = True  # its hand-over stops (a push) or is undone (a lease)
                 return True
         return bool(self.producer.abort(request_id))
 
@@ -357,7 +357,7 @@ class Engine:
             return
         with self._wake:
             done = self.scheduler.advance(chunks)
-            self._finishing.update((s.request_id, s) for s in done if s.streams)
+            self._finishing.update((s.request_id, s) for s in done)
         for i, seq in enumerate(done):
             try:
                 self._finish(seq, logits[i])
@@ -368,6 +368,10 @@ class Engine:
 
     def _finish(self, seq: Sequence, logits: torch.Tensor) -> None:
         req = seq.request
+        if seq.abort_requested and not seq.streams:  # aborted during its last step: nothing to hand over
+            blocks, seq.block_ids = seq.block_ids, []
+            self._fail(seq, RequestCancelled(f"request {req.request_id} was aborted"), blocks)
+            return
         try:
             token = sample_first_token(logits, req.sampling)
             logprobs = None if req.num_logprobs is None else first_token_logprobs(logits, token, req.num_logprobs)
@@ -376,6 +380,12 @@ class Engine:
         except Exception as e:
             log.exception("publishing KV failed for %s", req.request_id)
             self._fail(seq, e)
+            return
+        if seq.abort_requested and not seq.streams:  # aborted while it was handed over: end that lease
+            self.producer.abort(req.request_id)
+            self.metrics.prefills.labels("RequestCancelled").inc()
+            if seq.future.set_running_or_notify_cancel():
+                seq.future.set_exception(RequestCancelled(f"request {req.request_id} was aborted"))
             return
         now = time.monotonic()
         t0 = seq.t_first_scheduled or now

@@ -251,3 +251,28 @@ def test_a_pool_shorter_than_the_context_is_named_at_start(loaded, caplog):
     with caplog.at_level("WARNING", logger="prefill_server.engine.engine"):
         make_engine(loaded, num_blocks=512).stop()
     assert not [r for r in caplog.records if "KV pool" in r.message], caplog.text
+
+
+def test_an_abort_during_the_last_step_leaves_no_lease(loaded):
+    """Aborted (gRPC Release) while its last forward runs: the request fails RequestCancelled and its
+    KV is freed, instead of a lease published after the abort said yes, that nobody reads."""
+    eng = make_engine(loaded)
+    run = eng.runner.run
+
+    def slow_run(chunks):
+        time.sleep(0.5)
+        return run(chunks)
+
+    eng.runner.run = slow_run
+    try:
+        f = eng.submit(PrefillRequest("last", tuple([5] * 30)))  # one step (budget 40)
+        deadline = time.monotonic() + 10
+        while not eng.scheduler.running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)  # inside the forward
+        assert eng.abort("last")
+        with pytest.raises(RequestCancelled):
+            f.result(timeout=30)
+        assert eng.pool.num_used == 0 and not eng.abort("last")
+    finally:
+        eng.stop()
