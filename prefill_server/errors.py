@@ -66,6 +66,14 @@ class DecodeNotReached(DecodeUnavailable):
     take it with the same KV)."""
 
 
+class DecodeTimeout(DecodeUnavailable):
+    """The decode answered too slowly: its whole answer took longer than --decode-timeout. It is slow,
+    not down (other requests still go to it); the request there is closed, so vLLM aborts it."""
+
+    http_status = 504
+    grpc_code = "DEADLINE_EXCEEDED"
+
+
 class DecodeDown(DecodeUnavailable):
     """The decode is known to be down (its health check fails): refused before any prefill."""
 

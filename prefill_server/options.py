@@ -212,7 +212,8 @@ OPTIONS: tuple[Option, ...] = (
          "gRPC health NOT_SERVING, and requests fail at once with 503 before any prefill", type=float,
          metavar="SECONDS"),
     _opt("--decode-timeout", "decode", "server.decode_timeout_s",
-         "the most one decode request (its whole answer, streamed or not) may take", type=float,
+         "the most one decode request (its whole answer, streamed or not) may take; a slower one gets 504 "
+         "DecodeTimeout (a stream: an error event), and the decode is not marked down", type=float,
          metavar="SECONDS"),
     # per mode
     _opt("--decode-attn-backend", "nixl_compat", "server.nixl_compat.decode_attn_backend", "the decode's "

@@ -1,16 +1,27 @@
 """HTTP client for the decode instance (a vLLM OpenAI server)."""
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 
-from prefill_server.errors import DecodeNotReached, DecodeUnavailable
+from prefill_server.errors import DecodeNotReached, DecodeTimeout, DecodeUnavailable
 
 
 class DecodeClient:
+    """``timeout_s`` (--decode-timeout): the most one request's whole answer may take, streamed or
+    not (a stream's relay holds it to ``timed_out``'s deadline)."""
+
     def __init__(self, base_url: str, timeout_s: float = 600.0):
         self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
         self._client = httpx.AsyncClient(base_url=self.base_url,
                                          timeout=httpx.Timeout(timeout_s, connect=10.0))
+
+    def timed_out(self, path: str) -> DecodeTimeout:
+        return DecodeTimeout(f"the decode at {self.base_url}{path} did not finish its answer within --decode-timeout "
+                             f"{self.timeout_s:g} s; the request there was closed. Ask for fewer tokens "
+                             "(max_tokens), or start the server with a larger --decode-timeout")
 
     async def close(self) -> None:
         await self._client.aclose()
@@ -23,7 +34,10 @@ class DecodeClient:
 
     async def post(self, path: str, body: dict) -> httpx.Response:
         try:
-            return await self._client.post(path, json=body)
+            async with asyncio.timeout(self.timeout_s):
+                return await self._client.post(path, json=body)
+        except (TimeoutError, httpx.ReadTimeout, httpx.WriteTimeout):
+            raise self.timed_out(path) from None
         except httpx.HTTPError as e:
             raise self._unreachable(path, e) from None
 

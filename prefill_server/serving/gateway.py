@@ -24,13 +24,13 @@ from dataclasses import dataclass
 import httpx
 
 from prefill_server.engine.worker import Route, SamplingParams
-from prefill_server.errors import (DecodeNotReached, DecodeUnavailable, InvalidRequest, PrefillError, PromptMismatch,
-                                   PromptTooLong)
+from prefill_server.errors import (DecodeNotReached, DecodeTimeout, DecodeUnavailable, InvalidRequest, PrefillError,
+                                   PromptMismatch, PromptTooLong)
 from prefill_server.serving import first_token as ft
 from prefill_server.serving import openai_schema as schema
 from prefill_server.serving import prefill_instance as pi
 from prefill_server.serving import sglang_prefill as sp
-from prefill_server.serving.relay import (chain, check_prompt_tokens, consume, decode_outcome, error_event,
+from prefill_server.serving.relay import (chain, check_prompt_tokens, consume, data_lines, decode_outcome, error_event,
                                           max_tokens_of, one_token_answer, sampling_of, streamed_cached_tokens)
 from prefill_server.serving.decodes import Assignment, DecodeSet
 from prefill_server.serving.service import PrefillService
@@ -405,7 +405,7 @@ class Gateway:
         except BaseException as e:  # unreachable decode, client gone (a started relay has cleaned up)
             svc.release(c.request_id)
             self.metrics.kv_failed.inc()
-            if isinstance(e, DecodeUnavailable) and not isinstance(e, DecodeNotReached):
+            if isinstance(e, DecodeUnavailable) and not isinstance(e, (DecodeNotReached, DecodeTimeout)):
                 self.decodes.report_unreachable(c.decode.decode, e.message)
             c.decode.end()
             raise
@@ -452,22 +452,29 @@ class Gateway:
         state = c.first.stream_start() if c.first else None
         outcome = "cancelled"
         done = failed = False
+        client = c.decode.decode.client
+        deadline = asyncio.get_running_loop().time() + client.timeout_s  # (--decode-timeout: the whole answer)
         try:
             if state is not None:
                 yield state.first(self.service.info.served_name)
+            late = None
             try:
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
+                async for data in data_lines(resp, deadline):
                     done = done or data == "[DONE]"
                     failed = failed or data.startswith('{"error"')
                     yield state.event(data) if state is not None else f"data: {data}\n\n".encode()
+            except (TimeoutError, httpx.ReadTimeout):
+                late, reason = client.timed_out(c.path), None
             except _BROKEN as e:
                 reason = f"the decode's stream broke ({type(e).__name__}: {e})"
             else:
                 reason = None if done else "the decode's stream ended before [DONE]"
-            if reason is not None:
+            if late is not None:  # slow, not down: it keeps taking requests
+                log.warning("request %s: %s", c.request_id, late.message)
+                yield error_event(f"{late.message}; the answer is incomplete", "DecodeTimeout", 504)
+                yield b"data: [DONE]\n\n"
+                outcome = "DecodeTimeout"
+            elif reason is not None:
                 log.warning("request %s: %s", c.request_id, reason)
                 self.decodes.report_unreachable(c.decode.decode, f"{reason} at {c.decode.decode.url}")
                 yield error_event(f"{reason}; the answer is incomplete", "DecodeUnavailable", 502)

@@ -45,6 +45,19 @@ def error_event(message: str, etype: str, code: int) -> bytes:
     return b"data: " + json.dumps(ev).encode() + b"\n\n"
 
 
+async def data_lines(resp, deadline: float) -> AsyncIterator[str]:
+    """The data of each server-sent event of a decode's streamed answer, until the event loop's
+    time ``deadline`` (--decode-timeout holds the whole answer): TimeoutError past it."""
+    lines = resp.aiter_lines()
+    while True:
+        async with asyncio.timeout_at(deadline):
+            line = await anext(lines, None)
+        if line is None:
+            return
+        if line.startswith("data:"):
+            yield line[5:].strip()
+
+
 def consume(fut) -> None:
     """Retrieve a background prefill's exception so asyncio does not log it as unhandled."""
     if not fut.cancelled() and fut.exception() is not None:

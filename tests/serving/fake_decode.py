@@ -18,13 +18,14 @@ from prefill_server.serving.request_guard import RequestGuard
 class FakeDecode:
     def __init__(self, *, max_model_len: int = 4096, model: str = "fake", tokens: int = 3,
                  break_after: int | None = None, delay_s: float = 0.0, after_done_s: float = 0.0,
-                 miscount: int = 0):
+                 miscount: int = 0, token_s: float = 0.0):
         self.requests: list[dict] = []  # bodies received on /v1/*
         self.healthy = True
         self.break_after = break_after  # streams: cut the connection after this many events
         self.delay_s, self.tokens = delay_s, tokens
         self.after_done_s = after_done_s  # streams: the body ends this long after [DONE]
         self.miscount = miscount  # added to a prompt's token count (a decode whose tokenizer differs)
+        self.token_s = token_s  # streams: the time between events (a slow decode)
         self.cancelled = 0  # requests whose client (the gateway) went away before the answer
         app = FastAPI()
 
@@ -70,6 +71,7 @@ class FakeDecode:
             ev = {"id": "cmpl-x", "object": "text_completion", "choices": [{"index": 0, "text": " ok",
                                                                             "finish_reason": None}]}
             yield f"data: {json.dumps(ev)}\n\n".encode()
+            await asyncio.sleep(self.token_s)
         yield b"data: [DONE]\n\n"
         await asyncio.sleep(self.after_done_s)
 

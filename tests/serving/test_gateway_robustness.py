@@ -282,3 +282,29 @@ def test_the_decode_is_sent_its_own_model_name():
                     assert decode.requests[-1]["model"] == "decode-name"
     finally:
         svc.worker.engine.stop()
+
+
+def test_decode_timeout_bounds_the_whole_answer_and_leaves_the_decode_up():
+    """--decode-timeout: an answer slower than it gets 504 DecodeTimeout (a stream: an error event and
+    [DONE] after the events so far, however often the decode sent one); the decode is slow, not
+    down, so the next request goes to it; a refused answer's KV is freed."""
+    svc = make_service(num_blocks=64, max_queue_wait_s=30.0)
+    svc.worker.engine.start()
+    try:
+        with FakeDecode(delay_s=3.0, tokens=8) as decode, \
+                BackgroundServer(create_app(svc, DecodeClient(decode.url, timeout_s=1.0))) as gw:
+            body = {"prompt": "hello there", "max_tokens": 8}
+            t0 = time.monotonic()
+            r = httpx.post(gw.url + "/v1/completions", json=body, timeout=30)
+            assert r.status_code == 504 and r.json()["error"]["type"] == "DecodeTimeout", r.text
+            assert "--decode-timeout 1 s" in r.json()["error"]["message"] and time.monotonic() - t0 < 2.5
+            assert wait_for(lambda: svc.worker.engine.pool.num_used == 0, 5.0)  # (its lease released)
+            decode.delay_s, decode.token_s = 0.0, 0.3  # 8 events 0.3 s apart: each in time, the whole not
+            with httpx.stream("POST", gw.url + "/v1/completions", json=body | {"stream": True}, timeout=30) as s:
+                events = [line for line in s.iter_lines() if line.startswith("data:")]
+            assert 2 <= len(events) - 2 < 8 and '"DecodeTimeout"' in events[-2] and events[-1] == "data: [DONE]"
+            decode.token_s = 0.0
+            r = httpx.post(gw.url + "/v1/completions", json=body, timeout=30)
+            assert r.status_code == 200, r.text  # still up
+    finally:
+        svc.worker.engine.stop()
