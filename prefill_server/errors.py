@@ -59,11 +59,20 @@ class DecodeUnavailable(PrefillError):
 
     http_status = 502
     grpc_code = "UNAVAILABLE"
+    marks_down = True  # the decode is taken out of rotation until its health check passes
 
 
 class DecodeNotReached(DecodeUnavailable):
     """The connection to the decode failed: the request never reached it (another decode may
     take it with the same KV)."""
+
+    marks_down = False  # (the gateway's retry marks it down itself)
+
+
+class DecodeFailed(DecodeUnavailable):
+    """The decode answered a request with a 5xx: it is up, it failed this request."""
+
+    marks_down = False
 
 
 class DecodeTimeout(DecodeUnavailable):
@@ -72,6 +81,7 @@ class DecodeTimeout(DecodeUnavailable):
 
     http_status = 504
     grpc_code = "DEADLINE_EXCEEDED"
+    marks_down = False
 
 
 class DecodeDown(DecodeUnavailable):

@@ -24,14 +24,15 @@ from dataclasses import dataclass
 import httpx
 
 from prefill_server.engine.worker import Route, SamplingParams
-from prefill_server.errors import (DecodeNotReached, DecodeTimeout, DecodeUnavailable, InvalidRequest, PrefillError,
-                                   PromptMismatch, PromptTooLong)
+from prefill_server.errors import (DecodeNotReached, DecodeUnavailable, InvalidRequest, PrefillError, PromptMismatch,
+                                   PromptTooLong)
 from prefill_server.serving import first_token as ft
 from prefill_server.serving import openai_schema as schema
 from prefill_server.serving import prefill_instance as pi
 from prefill_server.serving import sglang_prefill as sp
-from prefill_server.serving.relay import (chain, check_prompt_tokens, consume, data_lines, decode_outcome, error_event,
-                                          max_tokens_of, one_token_answer, sampling_of, streamed_cached_tokens)
+from prefill_server.serving.relay import (chain, check_prompt_tokens, consume, data_lines, decode_failure,
+                                          decode_outcome, error_event, max_tokens_of, one_token_answer,
+                                          raise_prefill_failure, sampling_of, streamed_cached_tokens)
 from prefill_server.serving.decodes import Assignment, DecodeSet
 from prefill_server.serving.service import PrefillService
 
@@ -395,6 +396,8 @@ class Gateway:
             elif resp.status_code >= 400:
                 content = await resp.aread()
                 await resp.aclose()
+                if resp.status_code >= 500:
+                    raise decode_failure(c.decode.decode.url, resp.status_code, content)
                 svc.release(c.request_id)
                 c.decode.end()
                 return Answer(content, resp.status_code)
@@ -405,14 +408,16 @@ class Gateway:
         except BaseException as e:  # unreachable decode, client gone (a started relay has cleaned up)
             svc.release(c.request_id)
             self.metrics.kv_failed.inc()
-            if isinstance(e, DecodeUnavailable) and not isinstance(e, (DecodeNotReached, DecodeTimeout)):
+            if isinstance(e, DecodeUnavailable) and e.marks_down:
                 self.decodes.report_unreachable(c.decode.decode, e.message)
             c.decode.end()
             raise
         if resp.status_code >= 400:  # the decode refused or failed: it will not use our KV
             svc.release(c.request_id)
             self.metrics.kv_failed.inc()
-            await self._raise_prefill_failure(c)
+            await raise_prefill_failure(c.prefill)
+            if resp.status_code >= 500:
+                raise decode_failure(c.decode.decode.url, resp.status_code, resp.content)
         self.metrics.e2e_time.observe(time.monotonic() - c.t0)
         if c.release_after:
             svc.release(c.request_id)
@@ -433,17 +438,6 @@ class Gateway:
                 and isinstance(body, dict) and isinstance(body.get("usage"), dict):
             return Answer({**body, "usage": ft.with_cached_tokens(body["usage"], c.cached_tokens)})
         return Answer(resp.content, resp.status_code)
-
-    async def _raise_prefill_failure(self, c: _Call) -> None:
-        """Connector mode: when the decode failed, the prefill's reason says more than its 500."""
-        if c.prefill is None:
-            return
-        await asyncio.wait([c.prefill], timeout=2.0)
-        if c.prefill.done() and not c.prefill.cancelled() and (e := c.prefill.exception()) is not None:
-            if isinstance(e, PrefillError):
-                raise e
-            raise PrefillError(f"the prefill failed ({type(e).__name__}: {e}); the decode could not use "
-                               "its KV") from e
 
     async def _relay(self, resp: httpx.Response, c: _Call) -> AsyncIterator[bytes]:
         """The decode's events (with ``c.first``: t1's first, then the decode's rewritten). A stream

@@ -7,7 +7,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 
-from prefill_server.errors import PromptMismatch
+from prefill_server.errors import DecodeFailed, PrefillError, PromptMismatch
 from prefill_server.engine.worker import PrefillResult, SamplingParams
 from prefill_server.serving import openai_schema as schema
 from prefill_server.serving import prefill_instance as pi
@@ -56,6 +56,33 @@ async def data_lines(resp, deadline: float) -> AsyncIterator[str]:
             return
         if line.startswith("data:"):
             yield line[5:].strip()
+
+
+def decode_failure(url: str, status: int, content: bytes) -> DecodeFailed:
+    """A decode's 5xx for a request it was sent with our KV, said as ours (502) with what to check:
+    a decode that cannot read this server's KV (its NIXL compatibility hash differs: another dtype,
+    block size or attention backend) answers every request so, and only its log says why."""
+    try:
+        said = json.loads(content).get("error", {}).get("message") or ""
+    except (ValueError, AttributeError):
+        said = content[:200].decode(errors="replace")
+    msg = (f"the decode at {url} failed this request (HTTP {status}: {said.strip() or 'no message'}). If it "
+           "fails every request and its log says 'compatibility hash mismatch', it cannot read this server's "
+           "KV: start this server with the decode's --dtype and --decode-attn-backend (and --block-size)")
+    log.warning("%s", msg)
+    return DecodeFailed(msg)
+
+
+async def raise_prefill_failure(prefill) -> None:
+    """Connector mode (``prefill``: the streamed prefill's future; None otherwise): when the decode
+    failed, the prefill's reason says more than its 500."""
+    if prefill is None:
+        return
+    await asyncio.wait([prefill], timeout=2.0)
+    if prefill.done() and not prefill.cancelled() and (e := prefill.exception()) is not None:
+        if isinstance(e, PrefillError):
+            raise e
+        raise PrefillError(f"the prefill failed ({type(e).__name__}: {e}); the decode could not use its KV") from e
 
 
 def consume(fut) -> None:

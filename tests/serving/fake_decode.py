@@ -26,6 +26,7 @@ class FakeDecode:
         self.after_done_s = after_done_s  # streams: the body ends this long after [DONE]
         self.miscount = miscount  # added to a prompt's token count (a decode whose tokenizer differs)
         self.token_s = token_s  # streams: the time between events (a slow decode)
+        self.fail_status: int | None = None  # answer every request so (vLLM's 500: it could not read the KV)
         self.cancelled = 0  # requests whose client (the gateway) went away before the answer
         app = FastAPI()
 
@@ -52,6 +53,9 @@ class FakeDecode:
             except asyncio.CancelledError:
                 self.cancelled += 1
                 raise
+            if self.fail_status is not None:
+                return JSONResponse({"error": {"message": "Internal server error", "type": "InternalServerError",
+                                               "param": None, "code": self.fail_status}}, status_code=self.fail_status)
             if body.get("stream"):
                 return StreamingResponse(self._events(), media_type="text/event-stream")
             n = (len(body["prompt"]) if isinstance(body.get("prompt"), list) else 5) + self.miscount

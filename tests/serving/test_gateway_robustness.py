@@ -308,3 +308,21 @@ def test_decode_timeout_bounds_the_whole_answer_and_leaves_the_decode_up():
             assert r.status_code == 200, r.text  # still up
     finally:
         svc.worker.engine.stop()
+
+
+def test_a_decode_that_fails_requests_gets_a_502_saying_what_to_check(stack):
+    """vLLM answers 500 to every request whose KV it cannot read (e.g. a NIXL compatibility hash
+    mismatch, said only in its own log): the client gets 502 naming the decode and the flags to
+    check, streamed or not; the decode stays up (it answers); the KV is freed."""
+    svc, decode, url = stack
+    decode.fail_status = 500
+    for stream in (False, True):
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hello there", "max_tokens": 3, "stream": stream},
+                       timeout=30)
+        assert r.status_code == 502, r.text
+        msg = r.json()["error"]["message"]
+        assert decode.url in msg and "Internal server error" in msg and "--dtype" in msg, msg
+        assert wait_for(lambda: svc.worker.engine.pool.num_used == 0, 5.0)
+    decode.fail_status = None
+    r = httpx.post(url + "/v1/completions", json={"prompt": "hello there", "max_tokens": 3}, timeout=30)
+    assert r.status_code == 200, r.text
