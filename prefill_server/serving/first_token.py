@@ -232,9 +232,21 @@ class StreamState:
         ft, out = self.ft, b""
         if ft.plan.kind == "chat":
             out += self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                 "finish_reason": None}])
+                                 "finish_reason": None}], **self._running_usage(0))
         tokens = ft._first_lp() if ft.plan.num_logprobs is not None else None
-        return out + self._chunk([self._choice(ft.text, tokens, None)])
+        return out + self._chunk([self._choice(ft.text, tokens, None)], **self._running_usage(1))
+
+    def _running_usage(self, completion_tokens: int) -> dict:
+        """``stream_options.continuous_usage_stats`` (with ``include_usage``): every chunk carries
+        the usage so far, as vLLM's do (the decode's later chunks carry theirs)."""
+        so = self.ft.plan.body.get("stream_options")
+        if not (isinstance(so, dict) and so.get("include_usage") and so.get("continuous_usage_stats")):
+            return {}
+        n = self.ft.num_prompt_tokens
+        u = {"prompt_tokens": n, "completion_tokens": completion_tokens, "total_tokens": n + completion_tokens}
+        if self.ft.plan.kind == "chat":
+            u["completion_tokens_details"] = None
+        return {"usage": with_cached_tokens(u, self.ft.cached_tokens)}
 
     def event(self, data: str) -> bytes:
         """One of the decode's ``data:`` payloads -> the client's event(s)."""

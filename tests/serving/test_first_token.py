@@ -210,3 +210,25 @@ def test_plan_never_raises_on_odd_values(local_service):
             if first is not None:
                 first.decode_body(prompt, "served", {})
     assert 0 < taken < 3000
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_continuous_usage_stats_put_usage_on_the_first_chunks_too(local_service, kind):
+    """stream_options {include_usage, continuous_usage_stats}: vLLM puts the usage so far on every
+    chunk (chat's role chunk: 0 completion tokens); so do the chunks sent ahead of the decode's.
+    Without continuous_usage_stats they carry none."""
+    tok = local_service.tokenizer
+    prompt = tok.encode("The sea is")
+    t1, = _ids(tok, "Hello")
+    body = CHAT if kind == "chat" else GREEDY
+    so = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = _events(_first(tok, ft.plan(kind, {**body, "stream": True, "stream_options": so}), prompt, t1)
+                     .stream_start().first("served"))
+    want = [0, 1] if kind == "chat" else [1]
+    assert [c["usage"]["completion_tokens"] for c in chunks] == want
+    assert all(c["usage"]["prompt_tokens"] == len(prompt) == c["usage"]["total_tokens"] - k
+               for c, k in zip(chunks, want))
+    so = {"include_usage": True}
+    chunks = _events(_first(tok, ft.plan(kind, {**body, "stream": True, "stream_options": so}), prompt, t1)
+                     .stream_start().first("served"))
+    assert all("usage" not in c for c in chunks)
