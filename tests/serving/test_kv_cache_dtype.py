@@ -71,3 +71,11 @@ def test_vllm_config_gives_the_decode_the_flag(capsys):
     assert "--kv-cache-dtype fp8 " in capsys.readouterr().out
     assert main(["vllm-config", "--transfer-mode", "connector", "--kv-cache-dtype", "fp8"]) == 2
     assert "nixl-compat only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("size", ["0", "-32"])
+def test_vllm_config_refuses_a_block_size_no_decode_takes(capsys, size):
+    from prefill_server.cli import main
+
+    assert main(["vllm-config", "--block-size", size]) == 2
+    assert "--block-size must be a positive number" in capsys.readouterr().err
