@@ -310,8 +310,10 @@ class Engine:
                 return True
             if (seq := self._finishing.get(request_id)) is not None:
                 seq.abort_requested = True  # its hand-over stops (a push) or is undone (a lease)
-                return True
-        return bool(self.producer.abort(request_id))
+                if seq.streams:
+                    return True
+        # (a lease published already, its caller answered, is freed here; one not yet, by _finish)
+        return bool(self.producer.abort(request_id)) or seq is not None
 
     # ---- the loop ----
     def _loop(self) -> None:

@@ -276,3 +276,22 @@ def test_an_abort_during_the_last_step_leaves_no_lease(loaded):
         assert eng.pool.num_used == 0 and not eng.abort("last")
     finally:
         eng.stop()
+
+
+def test_a_release_right_after_the_answer_frees_the_lease(loaded):
+    """The caller has its result (and releases the KV) while the engine still counts the request as
+    being handed over: the release frees the lease then and there."""
+    eng = make_engine(loaded)
+    finish = eng._finish
+
+    def slow_finish(seq, logits):
+        finish(seq, logits)
+        time.sleep(0.5)  # the result is out; the hand-over's bookkeeping is not done yet
+
+    eng._finish = slow_finish
+    try:
+        r = eng.submit(PrefillRequest("quick", tuple([5] * 30))).result(timeout=30)
+        assert eng.pool.num_used > 0 and eng.abort(r.request_id)
+        assert eng.pool.num_used == 0
+    finally:
+        eng.stop()
