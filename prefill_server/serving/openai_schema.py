@@ -128,14 +128,20 @@ def single_prompt(prompt) -> str | list[int]:
     return prompt
 
 
+_TEXT_PARTS = ("text", "input_text", "output_text")  # content parts whose "text" vLLM renders as text
+
+
 def chat_messages(body: ChatBody) -> list[dict]:
     msgs = []
     for i, m in enumerate(body.messages):
         content = m.content
+        if content is None and "content" in m.model_fields_set and m.role != "assistant":
+            raise InvalidRequest(f"messages[{i}].content is null: only an assistant message's may be (give the "
+                                 "text, or leave content out)", field=f"messages.{i}.content")  # (as vLLM)
         if isinstance(content, list):  # OpenAI content parts: text only
             texts = []
             for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                if part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
                     raise InvalidRequest(f"messages[{i}].content: only text parts are supported",
                                          field=f"messages.{i}.content")
                 texts.append(part["text"])

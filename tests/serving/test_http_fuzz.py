@@ -133,6 +133,7 @@ CHAT = (
                          [[{"role": "user", "content": "x"}]], nested(40)])
     + [("message", {"content": "x"}, "role")]
     + [("message", {"role": r, "content": "x"}, "role") for r in (5, None, "wizard", "USER", "", [], "user ")]
+    + [("message", {"role": r, "content": None}, "content") for r in ("user", "system", "tool", "developer")]
     + [("message", {"role": "user", "content": c}, "content") for c in
        (5, 1.5, True, {"a": 1}, [5], ["text"], [[]], [{"type": "text", "text": 5}], [{"type": "text"}],
         [{"text": "x"}], [{"type": "image_url", "image_url": {"url": "http://x"}}])]
@@ -143,6 +144,7 @@ CHAT = (
        ("message", {"role": "user", "content": Raw("NaN")}, "NaN")]
     + [("message", m, None) for m in ({"role": "assistant", "content": None}, {"role": "tool", "content": []},
                                       {"role": "user", "content": [{"type": "text", "text": "a"}]},
+                                      {"role": "user", "content": [{"type": "input_text", "text": "a"}]},
                                       {"role": "user", "content": "x", "name": 5, "tool_calls": "x"},
                                       {"role": "developer", "content": "🙂"}, {"role": "system"})]
     + typed("logprobs", [5, "x", [], {}]) + [("logprobs", v, None) for v in (None, True, False)]
