@@ -34,7 +34,7 @@ class _Body(BaseModel):
     stop: StrictStr | list[StrictStr] | None = None
     prompt_logprobs: StrictInt | None = Field(default=None, ge=-1)  # (-1: the whole vocabulary)
     seed: StrictInt | None = Field(default=None, ge=-2**63, le=2**63 - 1)  # a 64-bit seed, as vLLM takes
-    n: StrictInt | None = Field(default=None, ge=1, le=1)
+    n: StrictInt | None = Field(default=None, ge=1)
     truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)  # (-1: the context's length)
 
     def _limit(self) -> int | None:
@@ -48,6 +48,9 @@ class _Body(BaseModel):
         if self.stream and self.prompt_logprobs not in (None, 0):
             raise InvalidRequest("prompt_logprobs are not available in streamed answers: set \"stream\": false "
                                  "or drop prompt_logprobs", field="prompt_logprobs")
+        if self.n is not None and self.n > 1:
+            raise InvalidRequest(f"n is {self.n}: this server answers one choice per request (the KV it hands the "
+                                 "decode is one sequence's); send n separate requests", field="n")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         if any(s == "" for s in stops):
             raise InvalidRequest("stop cannot contain an empty string", field="stop")
