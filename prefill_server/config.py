@@ -270,8 +270,9 @@ class ServerConfig:
             if url.rstrip("/") in seen:
                 raise ValueError(f"--decode-url {url} is given twice: list each decode once")
             seen.add(url.rstrip("/"))
-        if not (0 <= self.port < 65536 and 0 <= self.side_channel_port < 65536):
-            raise ValueError("ports must be in 0..65535")
+        for flag, port in (("--port", self.port), ("--side-channel-port", self.side_channel_port)):
+            if not 0 <= port < 65536:
+                raise ValueError(f"{flag} must be in 0..65535, not {port}")
         if self.grpc_port is not None and not 0 <= self.grpc_port < 65536:
             raise ValueError("--grpc-port must be in 0..65535")
         if self.grpc_port and self.grpc_port == self.port:

@@ -345,6 +345,8 @@ def load_file(path: str) -> dict[str, Any]:
         text = f.read_text()
     except OSError as e:
         raise ValueError(f"--config {path}: {e.strerror}") from None
+    if f.suffix not in (".toml", ".yaml", ".yml", ".json"):
+        raise ValueError(f"--config {path}: name it .yaml, .yml or .toml")
     try:
         if f.suffix == ".toml":
             try:
@@ -353,15 +355,11 @@ def load_file(path: str) -> dict[str, Any]:
                 import tomli as tomllib
 
             data = tomllib.loads(text)
-        elif f.suffix in (".yaml", ".yml", ".json"):
+        else:
             import yaml
 
             data = yaml.safe_load(text) or {}
-        else:
-            raise ValueError(f"--config {path}: name it .yaml, .yml or .toml")
-    except ValueError:
-        raise
-    except Exception as e:  # the parsers' own errors carry line numbers
+    except Exception as e:  # the parsers' own errors (TOML's a ValueError) carry line numbers
         raise ValueError(f"--config {path} is not valid {f.suffix[1:].upper()}: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"--config {path}: the file must hold sections ({', '.join(GROUPS)})")

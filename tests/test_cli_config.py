@@ -66,6 +66,11 @@ def test_config_file_must_exist_and_be_yaml_or_toml(tmp_path, capsys):
     (tmp_path / "c.ini").write_text("[engine]\n")
     assert main(["serve", "--config", str(tmp_path / "c.ini")]) == 2
     assert ".yaml" in capsys.readouterr().err
+    (tmp_path / "bad.toml").write_text("[engine\ntoken_budget=1\n")  # (TOML's parse error is a ValueError)
+    assert main(["serve", "--config", str(tmp_path / "bad.toml")]) == 2
+    assert "bad.toml is not valid TOML" in capsys.readouterr().err
+    assert main(["serve", "--port", "70000"]) == 2
+    assert "--port must be in 0..65535, not 70000" in capsys.readouterr().err
 
 
 def test_help_is_grouped_and_every_option_is_in_one_group(capsys):
