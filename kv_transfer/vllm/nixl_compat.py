@@ -296,6 +296,7 @@ class NixlCompatProducer(LeaseProducer):
             return
         with self._lock:
             entry = self._entries.get(rid)
+            ended = self._finished.get(rid)
             if entry is None:
                 late = True
             else:
@@ -304,8 +305,11 @@ class NixlCompatProducer(LeaseProducer):
                 done = entry.notified >= int(n_text)
         if late:
             self._stats.add(bad_notifications_total=1)
-            log.warning("NIXL notification for unknown or expired request %s (its KV may have been "
-                        "freed before the decode read it)", rid)
+            if ended is TransferState.ABORTED:  # released here first (the decode refused it, or its client left)
+                log.debug("NIXL notification for request %s, whose KV was released here already", rid)
+            else:
+                log.warning("NIXL notification for unknown or expired request %s (its KV may have been "
+                            "freed before the decode read it)", rid)
             return
         self._stats.add(notifications_total=1)
         if done:

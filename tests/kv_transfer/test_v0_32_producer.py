@@ -294,3 +294,15 @@ def test_an_unread_lease_says_its_likely_cause(pool, caplog):
     assert "never-asked expired before a decode read it: no decode asked the side channel" in text
     assert "mismatch expired before a decode read it: a decode handshook" in text
     assert "compatibility hash mismatch" in text and "--decode-model" in text and "backend CPU_ATTN" in text
+
+
+def test_a_notification_for_a_lease_released_here_is_not_a_warning(producer, pool, caplog):
+    """A decode that refused a request (its 4xx) still sends its notification after the gateway
+    released the KV: expected, logged at debug; one for a lease never known here is a warning."""
+    publish(producer, pool, "req-r")
+    assert producer.abort("req-r") and pool.num_used == 0
+    with caplog.at_level("DEBUG", logger="kv_transfer.vllm.nixl_compat"):
+        producer.handle_notification(b"req-r:1")
+        producer.handle_notification(b"never-seen:1")
+    said = [(r.levelname, rid) for r in caplog.records for rid in ("req-r", "never-seen") if rid in r.getMessage()]
+    assert said == [("DEBUG", "req-r"), ("WARNING", "never-seen")], caplog.text
