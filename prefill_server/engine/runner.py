@@ -54,6 +54,7 @@ class _SeqSlice:
     start: int  # prompt positions [start, end) computed now
     end: int
     block_ids: list[int]
+    seq: Sequence | None = None
 
 
 class _Stream:
@@ -188,6 +189,10 @@ class PagedAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k8: torch.Tensor | None = None) -> torch.Tensor:
         # q [T, Hq, D], k/v [T, Hkv, D] -> o [T, Hq, D]; with k8 (fp8_scores): q and k8 e4m3 codes
+        if self.stream is None and all(s.seq is not None and s.seq.abort_requested for s in self.slices):
+            # every prompt of the step was aborted (a client gone, a Release): stop here, not at the step's
+            # end, so that a long step frees its blocks now (a streamed one stops in its write)
+            raise RequestCancelled(f"the step's requests were aborted (at layer {layer})")
         if k8 is not None:
             if self.stream is not None:
                 self.stream.write(self.pool, layer, k, v)
@@ -248,7 +253,7 @@ class ModelRunner:
             n = c.end - c.start
             ids.extend(c.seq.request.prompt_token_ids[c.start:c.end])
             pos.append(torch.arange(c.start, c.end, device=self.device))
-            slices.append(_SeqSlice(t, t + n, c.start, c.end, c.seq.block_ids))
+            slices.append(_SeqSlice(t, t + n, c.start, c.end, c.seq.block_ids, c.seq))
             t += n
             if c.is_last:
                 last_rows.append(t - 1)

@@ -45,7 +45,8 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     params: dict | None = None  # STREAM: the kv_transfer_params handed to the decode at submit
-    abort_requested: bool = False  # Engine.abort while running: a streamed forward stops at its next layer
+    abort_requested: bool = False  # Engine.abort while running: its forward stops at the next layer (a batched
+    # one once every prompt in it is aborted)
     # STREAM with the prefix cache on and room in the pool: its layers go into its own whole blocks
     # (named in the cache as computed), not into staging
     stream_whole: bool = False

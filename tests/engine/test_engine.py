@@ -295,3 +295,30 @@ def test_a_release_right_after_the_answer_frees_the_lease(loaded):
         assert eng.pool.num_used == 0
     finally:
         eng.stop()
+
+
+def test_an_abort_stops_the_running_forward_at_the_next_layer(loaded):
+    """A long step is not finished for a request nobody waits for: aborted as layer 3 starts, the
+    forward computes no attention from then on, the request fails RequestCancelled and its blocks
+    are free."""
+    from prefill_server.engine import runner as runner_mod
+
+    eng = make_engine(loaded)
+    seen: list[int] = []
+    call = runner_mod.PagedAttention.__call__
+
+    def spy(self, layer, *a, **kw):
+        seen.append(layer)
+        if layer == 3:
+            eng.abort("long")  # (from the compute thread: the engine lock is not held during a forward)
+        return call(self, layer, *a, **kw)
+
+    runner_mod.PagedAttention.__call__ = spy
+    try:
+        f = eng.submit(PrefillRequest("long", tuple([5] * 30)))  # one step
+        with pytest.raises(RequestCancelled):
+            f.result(timeout=30)
+        assert seen == [0, 1, 2, 3] and eng.pool.num_used == 0
+    finally:
+        runner_mod.PagedAttention.__call__ = call
+        eng.stop()
