@@ -39,6 +39,15 @@ _PASSED = ("temperature", "top_p", "top_k", "min_p", "seed", "user", "ignore_eos
            "spaces_between_special_tokens", "stop_token_ids")
 
 
+# the fields vLLM 0.32's answers carry as null when unused (a client may index them): the answer
+# merged here has them too (the requests that set them go the ordinary way, ``_ALLOWED``)
+_NULLS = ("service_tier", "kv_transfer_params", "ec_transfer_params", "metrics")
+_CHAT_NULLS = ("prompt_logprobs", "prompt_token_ids", "prompt_text")
+_COMPLETION_CHOICE_NULLS = ("token_ids", "prompt_logprobs", "prompt_token_ids", "routed_experts")
+_CHAT_CHOICE_NULLS = ("token_ids", "routed_experts")
+_MESSAGE_NULLS = ("refusal", "annotations", "audio", "function_call", "reasoning")
+
+
 @dataclass(frozen=True)
 class Plan:
     """A request that may take its first token from the prefill (decided before the prefill)."""
@@ -183,14 +192,16 @@ class FirstToken:
         text = self.text + (choice.get("text") or "")
         finish = {"finish_reason": choice.get("finish_reason"), "stop_reason": choice.get("stop_reason")}
         base = {"id": resp.get("id"), "created": resp.get("created"), "model": resp.get("model"),
-                "usage": usage, "system_fingerprint": resp.get("system_fingerprint")}
+                "usage": usage, "system_fingerprint": resp.get("system_fingerprint"), **dict.fromkeys(_NULLS)}
         if self.plan.kind == "completion":
             return {**base, "object": "text_completion",
-                    "choices": [{"index": 0, "text": text, "logprobs": logprobs, **finish}]}
+                    "choices": [{"index": 0, "text": text, "logprobs": logprobs, **finish,
+                                 **dict.fromkeys(_COMPLETION_CHOICE_NULLS)}]}
         base["id"] = "chatcmpl-" + str(base["id"] or uuid.uuid4().hex).removeprefix("cmpl-")
-        return {**base, "object": "chat.completion",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": logprobs, **finish}]}
+        return {**base, "object": "chat.completion", **dict.fromkeys(_CHAT_NULLS),
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text,
+                                                     **dict.fromkeys(_MESSAGE_NULLS)},
+                             "logprobs": logprobs, **finish, **dict.fromkeys(_CHAT_CHOICE_NULLS)}]}
 
     # ---- streamed answers ----
     def stream_start(self) -> "StreamState":

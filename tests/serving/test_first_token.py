@@ -117,7 +117,8 @@ def test_merge_chat_builds_a_chat_completion(local_service):
     out = first.merge(_decode_completion(tok, [t2], [-0.3], [[(t2, -0.3), (alt, -4.0)]], "stop"))
     assert out["object"] == "chat.completion" and out["id"].startswith("chatcmpl-")
     c = out["choices"][0]
-    assert c["message"] == {"role": "assistant", "content": "Hello!"} and c["finish_reason"] == "stop"
+    assert c["message"]["role"] == "assistant" and c["message"]["content"] == "Hello!"
+    assert c["finish_reason"] == "stop"
     content = c["logprobs"]["content"]
     assert [x["token"] for x in content] == ["Hello", "!"]
     assert content[0]["bytes"] == list(b"Hello")
@@ -232,3 +233,37 @@ def test_continuous_usage_stats_put_usage_on_the_first_chunks_too(local_service,
     chunks = _events(_first(tok, ft.plan(kind, {**body, "stream": True, "stream_options": so}), prompt, t1)
                      .stream_start().first("served"))
     assert all("usage" not in c for c in chunks)
+
+
+def _keys(x, prefix=""):
+    """Every key path of a JSON answer (lists: their first element)."""
+    out = set()
+    if isinstance(x, list):
+        return _keys(x[0], prefix + "[0]") if x else out
+    if isinstance(x, dict):
+        for k, v in x.items():
+            out |= {prefix + "." + k} | _keys(v, prefix + "." + k)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_a_merged_answer_has_every_field_of_vllms(local_service, kind):
+    """The answer put together here (t1 + the decode's rest) carries the keys vLLM 0.32's own answer
+    of that kind does (its response classes, ``vllm_serving_reference.py shapes``), nulls included:
+    a client that indexes ``choices[0]["message"]["refusal"]`` works as against vLLM alone."""
+    import pathlib
+    import subprocess
+
+    vllm_py = pathlib.Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
+    if not vllm_py.exists():
+        pytest.skip("no .venv-vllm (scripts/setup.sh makes it)")
+    out = subprocess.run([str(vllm_py), str(pathlib.Path(__file__).with_name("vllm_serving_reference.py")),
+                          "shapes"], capture_output=True, text=True, timeout=300, cwd="/")
+    assert out.returncode == 0, out.stderr[-2000:]
+    theirs = json.loads(out.stdout)[kind]
+    tok = local_service.tokenizer
+    prompt = tok.encode("The sea is")
+    t1, t2 = _ids(tok, "Hello", "!")
+    ours = _first(tok, ft.plan(kind, CHAT if kind == "chat" else GREEDY), prompt, t1).merge(
+        _decode_completion(tok, [t2], [-0.3], [[(t2, -0.3)]], "stop"))
+    assert _keys(theirs) - {".usage.prompt_tokens_details", ".usage.completion_tokens_details"} <= _keys(ours)

@@ -12,6 +12,9 @@
         stdin: a JSON list of conversations (lists of {"role", "content", ...} with string content);
         stdout: each as vLLM's HF renderer hands it to a chat template that does not name the
         ``developer`` role (``_convert_developer_to_system``, then ``_consolidate_system_messages``).
+    .venv-vllm/bin/python tests/serving/vllm_serving_reference.py shapes < /dev/null
+        stdout: {"completion": ..., "chat": ...}: a non-streamed answer of each kind as vLLM's response
+        classes serialize it, every optional field at its default (the keys a client may index).
 """
 from __future__ import annotations
 
@@ -47,5 +50,20 @@ def roles(conversations: list[list[dict]]) -> list[list[dict]]:
     return out
 
 
+def shapes(_=None) -> dict:
+    from vllm.entrypoints.openai.chat_completion.protocol import (ChatCompletionResponse,
+                                                                  ChatCompletionResponseChoice, ChatMessage)
+    from vllm.entrypoints.openai.completion.protocol import CompletionResponse, CompletionResponseChoice
+    from vllm.entrypoints.serve.engine.protocol import UsageInfo
+
+    usage = UsageInfo(prompt_tokens=3, completion_tokens=2, total_tokens=5)
+    chat = ChatCompletionResponse(model="m", usage=usage, choices=[ChatCompletionResponseChoice(
+        index=0, message=ChatMessage(role="assistant", content="hi"), finish_reason="length")])
+    completion = CompletionResponse(model="m", usage=usage, choices=[CompletionResponseChoice(
+        index=0, text="hi", finish_reason="length")])
+    return {"chat": json.loads(chat.model_dump_json()), "completion": json.loads(completion.model_dump_json())}
+
+
 if __name__ == "__main__":
-    json.dump({"bodies": bodies, "roles": roles}[sys.argv[1]](json.load(sys.stdin)), sys.stdout)
+    mode = {"bodies": bodies, "roles": roles, "shapes": shapes}[sys.argv[1]]
+    json.dump(mode(None if sys.argv[1] == "shapes" else json.load(sys.stdin)), sys.stdout)
