@@ -115,6 +115,29 @@ def test_chat_rendering_fields_give_the_decodes_own_answer(vllm_decode, gateway,
     assert gateway.wait_pool_empty() == 0
 
 
+def _keys(x, prefix=""):
+    if isinstance(x, list):
+        return _keys(x[0], prefix + "[0]") if x else set()
+    return {k for key, v in x.items() for k in (prefix + "." + key, *_keys(v, prefix + "." + key))} \
+        if isinstance(x, dict) else set()
+
+
+def test_developer_messages_and_the_answers_fields_are_the_decodes(vllm_decode, gateway):
+    """A developer message renders as vLLM renders it for SmolLM2's template (as system); the answer,
+    its first token ours, has every field of vLLM's own."""
+    body = {"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}],
+            "max_tokens": 8, "temperature": 0}
+    ours = httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=120)
+    theirs = httpx.post(vllm_decode.url + "/v1/chat/completions", json={**body, "model": vllm_decode.model},
+                        timeout=120)
+    assert ours.status_code == theirs.status_code == 200, (ours.text, theirs.text)
+    a, b = ours.json(), theirs.json()
+    assert a["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"]
+    assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+    assert _keys(b) <= _keys(a), _keys(b) - _keys(a)
+    assert gateway.wait_pool_empty() == 0
+
+
 def test_limits_are_the_decodes(vllm_decode, gateway):
     """The model has 8192 positions; the decode runs --max-model-len 4096: that is the limit."""
     m = httpx.get(gateway.url + "/v1/models").json()["data"][0]
