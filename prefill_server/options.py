@@ -77,8 +77,8 @@ OPTIONS: tuple[Option, ...] = (
     _opt("--model", "model", "engine.model", "Hugging Face model folder (config.json + safetensors + "
          "tokenizer.json); default: the embedded SmolLM2-135M-Instruct, converted once into the cache"),
     _opt("--served-model-name", "model", "server.served_model_name",
-         "model id clients send; default: the decode's model id (without --decode-url: --decode-model, else "
-         "the folder)"),
+         "model id clients send (and answers name); each decode is still sent its own id. Default: the "
+         "decode's model id (without --decode-url: --decode-model, else the folder)"),
     _opt("--dtype", "model", "engine.dtype", "auto | float32 | bfloat16 | float16: the KV's dtype, which must "
          "be the decode's. auto: the decode's when it says (it runs with VLLM_SERVER_DEV_MODE=1), else the "
          "model's", choices=("auto", "float32", "bfloat16", "float16")),

@@ -85,6 +85,18 @@ async def raise_prefill_failure(prefill) -> None:
         raise PrefillError(f"the prefill failed ({type(e).__name__}: {e}); the decode could not use its KV") from e
 
 
+def renamed(raw: bytes, decode_model: str, served: str) -> bytes:
+    """The decode's JSON (an answer, or one event of a stream) naming the model as clients name it
+    here (``--served-model-name``), as vLLM alone would: its ``"model":"<id>"`` pair replaced (vLLM
+    writes JSON without spaces; a quote inside any string value is escaped, so only that pair matches)."""
+    if not decode_model or decode_model == served:
+        return raw
+    def pair(name: str) -> bytes:
+        return b'"model":' + json.dumps(name, ensure_ascii=False).encode()  # (UTF-8, as pydantic writes it)
+
+    return raw.replace(pair(decode_model), pair(served))
+
+
 def consume(fut) -> None:
     """Retrieve a background prefill's exception so asyncio does not log it as unhandled."""
     if not fut.cancelled() and fut.exception() is not None:

@@ -20,6 +20,7 @@ class FakeDecode:
                  break_after: int | None = None, delay_s: float = 0.0, after_done_s: float = 0.0,
                  miscount: int = 0, token_s: float = 0.0):
         self.requests: list[dict] = []  # bodies received on /v1/*
+        self.model = model
         self.healthy = True
         self.break_after = break_after  # streams: cut the connection after this many events
         self.delay_s, self.tokens = delay_s, tokens
@@ -72,9 +73,9 @@ class FakeDecode:
         for i in range(self.tokens):
             if self.break_after is not None and i == self.break_after:
                 raise RuntimeError("decode died")  # uvicorn drops the connection mid-body
-            ev = {"id": "cmpl-x", "object": "text_completion", "choices": [{"index": 0, "text": " ok",
-                                                                            "finish_reason": None}]}
-            yield f"data: {json.dumps(ev)}\n\n".encode()
+            ev = {"id": "cmpl-x", "object": "text_completion", "model": self.model,
+                  "choices": [{"index": 0, "text": " ok", "finish_reason": None}]}
+            yield f"data: {json.dumps(ev, separators=(',', ':'))}\n\n".encode()  # (compact, as vLLM writes it)
             await asyncio.sleep(self.token_s)
         yield b"data: [DONE]\n\n"
         await asyncio.sleep(self.after_done_s)

@@ -7,6 +7,7 @@ The engine runs the tiny model of grpc_harness (slowed per forward where a test 
 decode is tests/serving/fake_decode.py."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -267,7 +268,8 @@ def test_a_client_closing_right_after_done_is_ok_not_cancelled():
 
 def test_the_decode_is_sent_its_own_model_name():
     """With --served-model-name the clients' model id differs from the decode's: the decode is sent
-    its own (vLLM answers 404 to any other), whatever the client named."""
+    its own (vLLM answers 404 to any other), whatever the client named, and the answer names the
+    model as the clients do, streamed or not."""
     from prefill_server.serving.decodes import Decode, DecodeSet
 
     svc = make_service(num_blocks=64, max_queue_wait_s=30.0)
@@ -280,6 +282,12 @@ def test_the_decode_is_sent_its_own_model_name():
                     r = httpx.post(gw.url + "/v1/completions", json=body | {"max_tokens": 3}, timeout=30)
                     assert r.status_code == 200, r.text
                     assert decode.requests[-1]["model"] == "decode-name"
+                    assert r.json()["model"] == svc.info.served_name  # (as vLLM alone would name it)
+                with httpx.stream("POST", gw.url + "/v1/completions", timeout=30,
+                                  json={"prompt": "hello there", "max_tokens": 3, "stream": True}) as s:
+                    events = [json.loads(line[5:]) for line in s.iter_lines()
+                              if line.startswith("data:") and "[DONE]" not in line]
+                assert events and {e["model"] for e in events} == {svc.info.served_name}
     finally:
         svc.worker.engine.stop()
 
