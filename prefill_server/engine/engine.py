@@ -384,10 +384,8 @@ class Engine:
             self._fail(seq, e)
             return
         if seq.abort_requested and not seq.streams:  # aborted while it was handed over: end that lease
-            self.producer.abort(req.request_id)
-            self.metrics.prefills.labels("RequestCancelled").inc()
-            if seq.future.set_running_or_notify_cancel():
-                seq.future.set_exception(RequestCancelled(f"request {req.request_id} was aborted"))
+            self.producer.abort(req.request_id)  # (its blocks are the lease's now: none left to free here)
+            self._fail(seq, RequestCancelled(f"request {req.request_id} was aborted"), [])
             return
         now = time.monotonic()
         t0 = seq.t_first_scheduled or now

@@ -48,6 +48,7 @@ class Tokenizer:
         self.clean_up_tokenization_spaces = bool(cfg.get("clean_up_tokenization_spaces", False))
         self.chat_template = self._load_chat_template(path, cfg)
         self._compiled = None
+        self._names_developer = False  # (set with _compiled: does the template know the developer role?)
 
     @staticmethod
     def _load_chat_template(path: pathlib.Path, cfg: dict) -> str | None:
@@ -128,10 +129,11 @@ class Tokenizer:
                                  "add_generation_prompt to false to continue the final message",
                                  field="continue_final_message")
         messages = validate_messages(messages)
-        if not ('"developer"' in self.chat_template or "'developer'" in self.chat_template):
-            messages = developer_as_system(messages)
         if self._compiled is None:
             self._compiled = _compile(self.chat_template)
+            self._names_developer = '"developer"' in self.chat_template or "'developer'" in self.chat_template
+        if not self._names_developer:
+            messages = developer_as_system(messages)
         context = {**self.special_tokens, **kwargs}
         context.setdefault("tools", None)
         context.setdefault("documents", None)

@@ -32,7 +32,7 @@ from prefill_server.serving import prefill_instance as pi
 from prefill_server.serving import sglang_prefill as sp
 from prefill_server.serving.relay import (chain, check_prompt_tokens, consume, data_lines, decode_failure,
                                           decode_outcome, error_event, max_tokens_of, one_token_answer,
-                                          raise_prefill_failure, renamed, sampling_of, streamed_cached_tokens)
+                                          raise_prefill_failure, renamer, sampling_of, streamed_cached_tokens)
 from prefill_server.serving.decodes import Assignment, DecodeSet
 from prefill_server.serving.service import PrefillService
 
@@ -438,7 +438,7 @@ class Gateway:
         if c.cached_tokens is not None and resp.status_code < 400 \
                 and isinstance(body, dict) and isinstance(body.get("usage"), dict):
             return Answer({**body, "usage": ft.with_cached_tokens(body["usage"], c.cached_tokens), "model": served})
-        return Answer(renamed(resp.content, c.decode.decode.model, served), resp.status_code)
+        return Answer(renamer(c.decode.decode.model, served)(resp.content), resp.status_code)
 
     async def _relay(self, resp: httpx.Response, c: _Call) -> AsyncIterator[bytes]:
         """The decode's events (with ``c.first``: t1's first, then the decode's rewritten). A stream
@@ -448,17 +448,17 @@ class Gateway:
         outcome = "cancelled"
         done = failed = False
         client, served = c.decode.decode.client, self.service.info.served_name
+        rename = renamer(c.decode.decode.model, served)
         deadline = asyncio.get_running_loop().time() + client.timeout_s  # (--decode-timeout: the whole answer)
         try:
             if state is not None:
-                yield state.first(self.service.info.served_name)
+                yield state.first(served)
             late = None
             try:
                 async for data in data_lines(resp, deadline):
                     done = done or data == "[DONE]"
                     failed = failed or data.startswith('{"error"')
-                    yield state.event(data) if state is not None else renamed(f"data: {data}\n\n".encode(),
-                                                                               c.decode.decode.model, served)
+                    yield state.event(data) if state is not None else rename(f"data: {data}\n\n".encode())
             except (TimeoutError, httpx.ReadTimeout):
                 late, reason = client.timed_out(c.path), None
             except _BROKEN as e:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from prefill_server.errors import DecodeFailed, PrefillError, PromptMismatch
 from prefill_server.engine.worker import PrefillResult, SamplingParams
@@ -85,16 +85,15 @@ async def raise_prefill_failure(prefill) -> None:
         raise PrefillError(f"the prefill failed ({type(e).__name__}: {e}); the decode could not use its KV") from e
 
 
-def renamed(raw: bytes, decode_model: str, served: str) -> bytes:
-    """The decode's JSON (an answer, or one event of a stream) naming the model as clients name it
-    here (``--served-model-name``), as vLLM alone would: its ``"model":"<id>"`` pair replaced (vLLM
-    writes JSON without spaces; a quote inside any string value is escaped, so only that pair matches)."""
+def renamer(decode_model: str, served: str) -> Callable[[bytes], bytes]:
+    """The rewrite of the decode's JSON (an answer, or each event of a stream) that names the model as
+    clients name it here (``--served-model-name``), as vLLM alone would: its ``"model":"<id>"`` pair
+    replaced (vLLM writes JSON without spaces, in UTF-8; a quote inside any string value is escaped, so
+    only that pair matches). Nothing to do when the names agree."""
     if not decode_model or decode_model == served:
-        return raw
-    def pair(name: str) -> bytes:
-        return b'"model":' + json.dumps(name, ensure_ascii=False).encode()  # (UTF-8, as pydantic writes it)
-
-    return raw.replace(pair(decode_model), pair(served))
+        return lambda raw: raw
+    old, new = (b'"model":' + json.dumps(n, ensure_ascii=False).encode() for n in (decode_model, served))
+    return lambda raw: raw.replace(old, new)
 
 
 def consume(fut) -> None:

@@ -93,6 +93,19 @@ def test_client_gone_mid_answer_aborts_the_decode(vllm_decode, gateway):
                       timeout=120).status_code == 200
 
 
+def _same_chat_answer(gateway, vllm_decode, body: dict) -> tuple[dict, dict]:
+    """The chat through the pipeline and from the decode alone: both 200, the same prompt count and
+    answer text; returns (ours, theirs)."""
+    ours = httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=120)
+    theirs = httpx.post(vllm_decode.url + "/v1/chat/completions", json={**body, "model": vllm_decode.model},
+                        timeout=120)
+    assert ours.status_code == theirs.status_code == 200, (ours.text, theirs.text)
+    a, b = ours.json(), theirs.json()
+    assert a["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"]
+    assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+    return a, b
+
+
 @pytest.mark.parametrize("fields,last", [
     ({"add_generation_prompt": False}, None),
     ({"add_generation_prompt": False, "continue_final_message": True}, "The sea is"),
@@ -105,13 +118,7 @@ def test_chat_rendering_fields_give_the_decodes_own_answer(vllm_decode, gateway,
     msgs = [{"role": "user", "content": "Write a poem about the sea"}]
     msgs += [{"role": "assistant", "content": last}] if last else []
     body = {"messages": msgs, "max_tokens": 10, "temperature": 0, **fields}
-    ours = httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=120)
-    theirs = httpx.post(vllm_decode.url + "/v1/chat/completions", json={**body, "model": vllm_decode.model},
-                        timeout=120)
-    assert ours.status_code == theirs.status_code == 200, (ours.text, theirs.text)
-    a, b = ours.json(), theirs.json()
-    assert a["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"]
-    assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+    _same_chat_answer(gateway, vllm_decode, body)
     assert gateway.wait_pool_empty() == 0
 
 
@@ -127,13 +134,7 @@ def test_developer_messages_and_the_answers_fields_are_the_decodes(vllm_decode, 
     its first token ours, has every field of vLLM's own."""
     body = {"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}],
             "max_tokens": 8, "temperature": 0}
-    ours = httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=120)
-    theirs = httpx.post(vllm_decode.url + "/v1/chat/completions", json={**body, "model": vllm_decode.model},
-                        timeout=120)
-    assert ours.status_code == theirs.status_code == 200, (ours.text, theirs.text)
-    a, b = ours.json(), theirs.json()
-    assert a["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"]
-    assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+    a, b = _same_chat_answer(gateway, vllm_decode, body)
     assert _keys(b) <= _keys(a), _keys(b) - _keys(a)
     assert gateway.wait_pool_empty() == 0
 
