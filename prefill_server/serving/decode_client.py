@@ -34,9 +34,8 @@ class DecodeClient:
 
     async def post(self, path: str, body: dict) -> httpx.Response:
         try:
-            async with asyncio.timeout(self.timeout_s):
-                return await self._client.post(path, json=body)
-        except (TimeoutError, httpx.ReadTimeout, httpx.WriteTimeout):
+            return await asyncio.wait_for(self._client.post(path, json=body), self.timeout_s)
+        except (asyncio.TimeoutError, httpx.ReadTimeout, httpx.WriteTimeout):
             raise self.timed_out(path) from None
         except httpx.HTTPError as e:
             raise self._unreachable(path, e) from None

@@ -459,7 +459,7 @@ class Gateway:
                     done = done or data == "[DONE]"
                     failed = failed or data.startswith('{"error"')
                     yield state.event(data) if state is not None else rename(f"data: {data}\n\n".encode())
-            except (TimeoutError, httpx.ReadTimeout):
+            except (asyncio.TimeoutError, httpx.ReadTimeout):
                 late, reason = client.timed_out(c.path), None
             except _BROKEN as e:
                 reason = f"the decode's stream broke ({type(e).__name__}: {e})"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 from collections.abc import AsyncIterator, Callable
 
 from prefill_server.errors import DecodeFailed, PrefillError, PromptMismatch
@@ -47,15 +48,23 @@ def error_event(message: str, etype: str, code: int) -> bytes:
 
 async def data_lines(resp, deadline: float) -> AsyncIterator[str]:
     """The data of each server-sent event of a decode's streamed answer, until the event loop's
-    time ``deadline`` (--decode-timeout holds the whole answer): TimeoutError past it."""
+    time ``deadline`` (--decode-timeout holds the whole answer): asyncio.TimeoutError past it."""
     lines = resp.aiter_lines()
     while True:
-        async with asyncio.timeout_at(deadline):
-            line = await anext(lines, None)
+        line = await _before(anext(lines, None), deadline)
         if line is None:
             return
         if line.startswith("data:"):
             yield line[5:].strip()
+
+
+if sys.version_info >= (3, 11):
+    async def _before(awaitable, deadline: float):
+        async with asyncio.timeout_at(deadline):  # (no task per awaited line, as wait_for makes)
+            return await awaitable
+else:  # Python 3.10
+    async def _before(awaitable, deadline: float):
+        return await asyncio.wait_for(awaitable, max(0.0, deadline - asyncio.get_running_loop().time()))
 
 
 def decode_failure(url: str, status: int, content: bytes) -> DecodeFailed:
