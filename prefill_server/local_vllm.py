@@ -32,6 +32,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def last_cpu() -> int:
+    """The highest CPU this process may run on: where a local decode's one OpenMP thread goes. It is
+    the core NixlConnector's CPU worker reserves for transfers (the last of its NUMA node on a
+    one-node machine), so the decode keeps to that core and leaves the others to the prefill."""
+    return max(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1) - 1
+
+
 def vllm_python(venv: pathlib.Path = DEFAULT_VENV) -> pathlib.Path | None:
     """The decode venv's python if it has vLLM installed, else None."""
     py = venv / "bin" / "python"
@@ -65,7 +72,7 @@ class VllmDecode:
     kv_transfer_config: dict | None = field(default_factory=lambda: dict(NIXL_CONSUMER))
     extra_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
-    omp_threads_bind: str = "0"  # see environment()
+    omp_threads_bind: str = field(default_factory=lambda: str(last_cpu()))  # see environment()
     dev_mode: bool = True  # exposes /server_info, which discover_decode reads
     prefix_caching: bool = False  # vLLM's own default is on
     venv: pathlib.Path = DEFAULT_VENV
@@ -108,9 +115,10 @@ class VllmDecode:
         env = dict(os.environ)
         env.update({
             "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
-            # NixlConnector pins the CPU worker's main thread to the last core of each NUMA node
-            # (reserved for transfers). One OpenMP thread bound to core 0 is then the fastest
-            # setting measured on 2 cores (32 tokens: "0" 2.4 s, "nobind" 13-35 s, "0-1" 100+ s).
+            # One OpenMP thread on the last core, the one NixlConnector reserves for its transfers:
+            # with it on core 0 instead, a 2-core VM froze for 10-80 s at a time under P/D traffic
+            # (the kernel logged RCU stalls) and small requests took 3x longer; "nobind" and "0-1"
+            # were slower still (docs/bench/2026-12-06-nixl-cpu-stalls/README.md).
             "VLLM_CPU_OMP_THREADS_BIND": self.omp_threads_bind,
             # the decode's own side channel (unused by a consumer, but bound): keep it off 5600
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
