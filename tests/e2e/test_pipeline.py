@@ -64,7 +64,7 @@ def post_prompt(base_url: str, p: Prompt, model: str | None = None, timeout: flo
 # bf16 compares bits, and vLLM's CPU attention kernel rounds differently from torch SDPA (and
 # differently again per query chunk and thread count: prefill_server/layers/vllm_cpu_attention.py).
 # So in bf16 our prefill runs the decode's kernel with the decode's schedule: 1 OpenMP thread (the
-# decode's VLLM_CPU_OMP_THREADS_BIND=0) and chunks of 2048 tokens (its max_num_batched_tokens).
+# decode's VLLM_CPU_OMP_THREADS_BIND is one core) and chunks of 2048 tokens (its max_num_batched_tokens).
 BF16_DECODE_ARGS = ["--max-num-batched-tokens", "2048"]
 
 
