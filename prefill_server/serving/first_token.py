@@ -215,7 +215,7 @@ class StreamState:
         self.ft = ft
         self.id = ("chatcmpl-" if ft.plan.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.model: str | None = None  # the served name (as the decode names it)
+        self.model: str | None = None  # the served name (as clients name the model here)
         self.offset = 0  # completion logprobs: text offset of the next token
 
     def _chunk(self, choices: list[dict], **extra) -> bytes:
