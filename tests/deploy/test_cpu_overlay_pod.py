@@ -29,8 +29,10 @@ IMAGE_CACHE = "/opt/prefill-server/cache"  # PREFILL_SERVER_CACHE in Dockerfile.
 
 
 def expand(value: str, env: dict[str, str]) -> str:
-    """Kubernetes' $(VAR) expansion in env values, command and args."""
-    return re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), value)
+    """Kubernetes' expansion in env values, command and args: $(VAR) is VAR's value where VAR is
+    defined (else left as written), $$ is one $ (how a manifest passes $( and ${ to a shell)."""
+    return re.sub(r"\$\$|\$\((\w+)\)",
+                  lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), value)
 
 
 def container_env(c: dict) -> dict[str, str]:
@@ -339,3 +341,30 @@ def test_cpu_overlay_runs_the_whole_demo(tmp_path):
         if prefill is not None:
             prefill.stop()
         decode.stop()
+
+
+@needs_kubectl
+def test_cpu_overlay_decode_binds_its_openmp_thread_to_the_last_cpu_it_may_use():
+    """The decode container's shell prologue as rendered (Kubernetes' $$ escapes expanded), with the
+    vLLM server swapped for printenv: the last CPU of the container's affinity, whatever cores it was
+    given, unless env names the binding."""
+    c = find(render("overlays/cpu"), "Deployment", "vllm-decode")["spec"]["template"]["spec"]["containers"][0]
+    env = container_env(c)
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in env, "a fixed binding fails where the pod is given other cores"
+    cmd = [expand(a, env) for a in c["command"]]
+    server = "/opt/venv-vllm/bin/python -m vllm.entrypoints.openai.api_server"
+    assert cmd[:2] == ["/bin/sh", "-c"] and server in cmd[2], cmd
+    script = cmd[2].replace(server, "printenv VLLM_CPU_OMP_THREADS_BIND").replace("/opt/venv-vllm/bin/python",
+                                                                              sys.executable)
+    base = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
+
+    def bind(cpus: set[int], **extra: str) -> str:
+        out = subprocess.run([*cmd[:2], script, *cmd[3:]], env={**base, **env, **extra}, capture_output=True,
+                             text=True, timeout=60, preexec_fn=lambda: os.sched_setaffinity(0, cpus))
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    allowed = os.sched_getaffinity(0)
+    assert bind(allowed) == str(max(allowed))
+    assert bind({min(allowed)}) == str(min(allowed))
+    assert bind(allowed, VLLM_CPU_OMP_THREADS_BIND="0-1") == "0-1"
