@@ -14,6 +14,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Str
                       ValidationError)
 
 from prefill_server.errors import InvalidRequest
+from prefill_server.serving.chat_messages import system_texts, template_message
 
 
 class _Body(BaseModel):
@@ -141,13 +142,15 @@ def chat_messages(body: ChatBody) -> list[dict]:
         if content is None and "content" in m.model_fields_set and m.role != "assistant":
             raise InvalidRequest(f"messages[{i}].content is null: only an assistant message's may be (give the "
                                  "text, or leave content out)", field=f"messages.{i}.content")  # (as vLLM)
+        texts = [content] if isinstance(content, str) else []
         if isinstance(content, list):  # OpenAI content parts: text only
-            texts = []
             for part in content:
                 if part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
                     raise InvalidRequest(f"messages[{i}].content: only text parts are supported",
                                          field=f"messages.{i}.content")
                 texts.append(part["text"])
-            content = "\n".join(texts)  # as vLLM flattens text parts for string templates
-        msgs.append({**m.model_dump(exclude_none=True), "content": content or ""})
+        if m.role == "system":
+            texts = system_texts(texts)
+        # text parts joined as vLLM joins them for string templates; the fields vLLM keeps
+        msgs.append(template_message(i, m.model_dump(), "\n".join(texts)))
     return msgs

@@ -12,6 +12,11 @@
         stdin: a JSON list of conversations (lists of {"role", "content", ...} with string content);
         stdout: each as vLLM's HF renderer hands it to a chat template that does not name the
         ``developer`` role (``_convert_developer_to_system``, then ``_consolidate_system_messages``).
+    .venv-vllm/bin/python tests/serving/vllm_serving_reference.py messages < conversations.json
+        stdin: a JSON list of conversations as clients send them (text content only);
+        stdout: each as vLLM's serving hands it to a string-content template (the request class
+        validates the messages, then ``_parse_chat_message_content`` per message and
+        ``_postprocess_messages``), or {"error": ...} where vLLM refuses it.
     .venv-vllm/bin/python tests/serving/vllm_serving_reference.py shapes < /dev/null
         stdout: {"completion": ..., "chat": ...}: a non-streamed answer of each kind as vLLM's response
         classes serialize it, every optional field at its default (the keys a client may index).
@@ -50,6 +55,36 @@ def roles(conversations: list[list[dict]]) -> list[list[dict]]:
     return out
 
 
+class _TextOnly:
+    """What vLLM's parsing asks of its multimodal tracker for text-only content: a parser with no
+    placeholders, and a model config without prompt embeddings (text is checked against those)."""
+
+    model_config = type("ModelConfig", (), {"enable_prompt_embeds": False})()
+
+    def create_parser(self, mm_processor_kwargs=None):
+        return self
+
+    def mm_placeholder_storage(self):
+        return {}
+
+
+def messages(conversations: list[list[dict]]) -> list:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.renderers import chat_utils
+
+    out = []
+    for conv in conversations:
+        try:
+            parsed = []
+            for m in ChatCompletionRequest.model_validate({"messages": conv}).messages:
+                parsed += chat_utils._parse_chat_message_content(m, _TextOnly(), "string", interleave_strings=False)
+            chat_utils._postprocess_messages(parsed)
+            out.append([dict(m) for m in parsed])
+        except Exception as e:  # noqa: BLE001 (a refusal is the answer)
+            out.append({"error": f"{type(e).__name__}: {str(e)[:200]}"})
+    return out
+
+
 def shapes(_=None) -> dict:
     from vllm.entrypoints.openai.chat_completion.protocol import (ChatCompletionResponse,
                                                                   ChatCompletionResponseChoice, ChatMessage)
@@ -65,5 +100,5 @@ def shapes(_=None) -> dict:
 
 
 if __name__ == "__main__":
-    mode = {"bodies": bodies, "roles": roles, "shapes": shapes}[sys.argv[1]]
+    mode = {"bodies": bodies, "roles": roles, "messages": messages, "shapes": shapes}[sys.argv[1]]
     json.dump(mode(None if sys.argv[1] == "shapes" else json.load(sys.stdin)), sys.stdout)
