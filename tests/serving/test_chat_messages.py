@@ -29,6 +29,8 @@ CONVERSATIONS = [
     [{"role": A, "content": None, "tool_calls": [call('{"city": "Paris"}')]}],
     [{"role": A, "content": "x", "tool_calls": [call("not json"), call("[1]"), call(""), call("42")]}],
     [{"role": A, "content": "x", "tool_calls": []}, {"role": A, "content": "y", "tool_calls": None}],
+    [{"role": A, "content": "x", "tool_calls": [call("{}", index=0) | {"function": {"name": "f", "arguments": "{}",
+                                                                                   "strict": True}}]}],
     [{"role": A, "content": "x", "reasoning_content": "r"}],
     [{"role": A, "content": "x", "reasoning": "a", "reasoning_content": "b"}],
     [{"role": A, "content": "x", "reasoning": None, "reasoning_content": "b"}],
@@ -67,9 +69,9 @@ def test_messages_reach_the_template_as_vllm_hands_them_over():
     mine = [ours(c) for c in CONVERSATIONS]
     assert mine[4] == [{"role": A, "content": "", "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"city": "Paris"}}}]}]
-    assert mine[7] == [{"role": A, "content": "x", "reasoning": "r", "reasoning_content": "r"}]
-    assert mine[15] == [{"role": "system", "content": "You are Claude Code."}]
-    assert "error" in mine[-1] and "error" in mine[19] and "error" in mine[2]
+    assert mine[8] == [{"role": A, "content": "x", "reasoning": "r", "reasoning_content": "r"}]
+    assert mine[16] == [{"role": "system", "content": "You are Claude Code."}]
+    assert "error" in mine[-1] and "error" in mine[20] and "error" in mine[2]
     if not VLLM_PY.exists():
         pytest.skip("no .venv-vllm (scripts/setup.sh makes it)")
     out = subprocess.run([str(VLLM_PY), str(REFERENCE), "messages"], input=json.dumps(CONVERSATIONS),
