@@ -23,7 +23,7 @@ TARGET = GPUTarget("cuda", 90, 32)
 
 
 def compile_ws(bn=64, stages=4, tok=32, gp=4, dense=False, maxnreg=168, loader_regs=24, fixed=0, nwg=1,
-               compute_regs=216, bd=0, pf=0, peel=1, **extra):
+               compute_regs=216, bd=0, peel=1, **extra):
     fn = ws_attention._attn_ws
     q_lay = gl.NVMMASharedLayout.get_default_for([tok, 128], gl.bfloat16)
     kv_lay = gl.NVMMASharedLayout.get_default_for([bn, 128], gl.bfloat16)
@@ -39,14 +39,14 @@ def compile_ws(bn=64, stages=4, tok=32, gp=4, dense=False, maxnreg=168, loader_r
             sig[name] = "*bf16"
         elif name == "LSE":
             sig[name] = "*fp32"
-        elif name.isupper() and name not in ("G", "GP", "TOK", "BS", "BN", "D", "DENSE", "STAGES", "LOADER_REGS", "FIXED", "LIM", "NWG", "COMPUTE_REGS", "BD", "PF", "PEEL"):
+        elif name.isupper() and name not in ("G", "GP", "TOK", "BS", "BN", "D", "DENSE", "STAGES", "LOADER_REGS", "FIXED", "LIM", "NWG", "COMPUTE_REGS", "BD", "PEEL"):
             sig[name] = "*i32"
         elif name == "qk_scale":
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
     cx = dict(G=4, GP=gp, TOK=tok, BS=128, BN=bn, D=128, DENSE=dense, STAGES=stages, LOADER_REGS=loader_regs,
-              FIXED=bool(fixed), LIM=2.0 ** 64, NWG=nwg, COMPUTE_REGS=compute_regs, BD=bd or bn, PF=bool(pf), PEEL=bool(peel),
+              FIXED=bool(fixed), LIM=2.0 ** 64, NWG=nwg, COMPUTE_REGS=compute_regs, BD=bd or bn, PEEL=bool(peel),
               num_warps=8 if nwg == 1 else 4, **extra)
     cx = {k: v for k, v in cx.items() if k in fn.arg_names or k == "num_warps"}
     sig.update({k: "constexpr" for k in cx})

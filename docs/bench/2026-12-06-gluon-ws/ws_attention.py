@@ -83,7 +83,7 @@ def _info(item, n_slots, n_items, SLOT_SEQ, SLOT_QBLK, CU_Q, CU_K, CNT, stride_c
 def _loader(q_desc, k_desc, v_desc, kd_desc, vd_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, kv_ready,
             kv_empty, n_slots, n_items, SLOT_SEQ, SLOT_QBLK, CU_Q, CU_K, IDX, CNT, stride_is, stride_ih, stride_cs,
             G: gl.constexpr, GP: gl.constexpr, TOK: gl.constexpr, BS: gl.constexpr, BN: gl.constexpr,
-            BD: gl.constexpr, D: gl.constexpr, DENSE: gl.constexpr, STAGES: gl.constexpr, PF: gl.constexpr):
+            BD: gl.constexpr, D: gl.constexpr, DENSE: gl.constexpr, STAGES: gl.constexpr):
     NSUB: gl.constexpr = BS // BN
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
@@ -157,7 +157,7 @@ def _compute(q_bufs, k_bufs, v_bufs, q_ready, q_empty, kv_ready, kv_empty, O, LS
              stride_ot, stride_oh, stride_lt, stride_cs,
              G: gl.constexpr, GP: gl.constexpr, TOK: gl.constexpr, BS: gl.constexpr, BN: gl.constexpr,
              BD: gl.constexpr, D: gl.constexpr, DENSE: gl.constexpr, STAGES: gl.constexpr, FIXED: gl.constexpr,
-             LIM: gl.constexpr, PF: gl.constexpr, WG: gl.constexpr, NWG: gl.constexpr, WARPS: gl.constexpr,
+             LIM: gl.constexpr, WG: gl.constexpr, NWG: gl.constexpr, WARPS: gl.constexpr,
              PEEL: gl.constexpr = True):
     """Rows [WG * M, (WG + 1) * M) of each item (NWG compute partitions share the K/V tiles; with
     two, one's softmax runs while the other's product is on the tensor cores)."""
@@ -263,7 +263,7 @@ def _attn_ws(q_desc, k_desc, v_desc, kd_desc, vd_desc, O, LSE, CU_Q, CU_K, SLOT_
              G: gl.constexpr, GP: gl.constexpr, TOK: gl.constexpr, BS: gl.constexpr, BN: gl.constexpr,
              D: gl.constexpr, DENSE: gl.constexpr, STAGES: gl.constexpr, LOADER_REGS: gl.constexpr,
              FIXED: gl.constexpr, LIM: gl.constexpr, NWG: gl.constexpr, COMPUTE_REGS: gl.constexpr,
-             BD: gl.constexpr, PF: gl.constexpr, PEEL: gl.constexpr, num_warps: gl.constexpr):
+             BD: gl.constexpr, PEEL: gl.constexpr, num_warps: gl.constexpr):
     M: gl.constexpr = TOK * GP
     dtype: gl.constexpr = q_desc.dtype
     q_bufs = gl.allocate_shared_memory(dtype, [2, M, D], q_desc.layout)
@@ -283,24 +283,24 @@ def _attn_ws(q_desc, k_desc, v_desc, kd_desc, vd_desc, O, LSE, CU_Q, CU_K, SLOT_
         gl.warp_specialize([
             (_compute, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, kv_ready, kv_empty, O, LSE,
                         n_slots, n_items, SLOT_SEQ, SLOT_QBLK, CU_Q, CU_K, CNT, BAD, qk_scale,
-                        stride_ot, stride_oh, stride_lt, stride_cs, G, GP, TOK, BS, BN, BD, D, DENSE, STAGES, FIXED, LIM, PF,
+                        stride_ot, stride_oh, stride_lt, stride_cs, G, GP, TOK, BS, BN, BD, D, DENSE, STAGES, FIXED, LIM,
                         0, 1, num_warps, PEEL)),
             (_loader, (q_desc, k_desc, v_desc, kd_desc, vd_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, kv_ready,
                        kv_empty, n_slots, n_items, SLOT_SEQ, SLOT_QBLK, CU_Q, CU_K, IDX, CNT, stride_is, stride_ih,
-                       stride_cs, G, GP, TOK, BS, BN, BD, D, DENSE, STAGES, PF))], [1], [LOADER_REGS])
+                       stride_cs, G, GP, TOK, BS, BN, BD, D, DENSE, STAGES))], [1], [LOADER_REGS])
     else:
         gl.warp_specialize([
             (_compute, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, kv_ready, kv_empty, O, LSE,
                         n_slots, n_items, SLOT_SEQ, SLOT_QBLK, CU_Q, CU_K, CNT, BAD, qk_scale,
-                        stride_ot, stride_oh, stride_lt, stride_cs, G, GP, TOK, BS, BN, BD, D, DENSE, STAGES, FIXED, LIM, PF,
+                        stride_ot, stride_oh, stride_lt, stride_cs, G, GP, TOK, BS, BN, BD, D, DENSE, STAGES, FIXED, LIM,
                         0, 2, num_warps, PEEL)),
             (_compute, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, kv_ready, kv_empty, O, LSE,
                         n_slots, n_items, SLOT_SEQ, SLOT_QBLK, CU_Q, CU_K, CNT, BAD, qk_scale,
-                        stride_ot, stride_oh, stride_lt, stride_cs, G, GP, TOK, BS, BN, BD, D, DENSE, STAGES, FIXED, LIM, PF,
+                        stride_ot, stride_oh, stride_lt, stride_cs, G, GP, TOK, BS, BN, BD, D, DENSE, STAGES, FIXED, LIM,
                         1, 2, num_warps, PEEL)),
             (_loader, (q_desc, k_desc, v_desc, kd_desc, vd_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, kv_ready,
                        kv_empty, n_slots, n_items, SLOT_SEQ, SLOT_QBLK, CU_Q, CU_K, IDX, CNT, stride_is, stride_ih,
-                       stride_cs, G, GP, TOK, BS, BN, BD, D, DENSE, STAGES, PF))],
+                       stride_cs, G, GP, TOK, BS, BN, BD, D, DENSE, STAGES))],
                            [num_warps, 1], [COMPUTE_REGS, LOADER_REGS])
 
 
@@ -308,7 +308,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, idx, cn
               *, dense: bool = False, gp: int = 4, tok: int = 32, bn: int = 64, stages: int = 4,
               num_warps: int = 8, maxnreg: int = 168, loader_regs: int = 24, nprog: int | None = None,
               fixed: bool = False, bad: torch.Tensor | None = None, nwg: int = 1, compute_regs: int = 216,
-              bd: int | None = None, pf: bool = False, peel: bool = True):
+              bd: int | None = None, peel: bool = True):
     """Same contract as ``kernel.attention`` (out [Tq, Hq, D], lse [Tq, Hq] float32) for q, k, v whose
     heads are packed ([T, H, D] contiguous), D = 128, 16-bit. ``fixed``: the listed blocks against the
     diagonal region's row max held fixed, with no redo: rows whose sum passed the limit are counted
@@ -353,7 +353,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, idx, cn
         layout.n_slots, n_items, scale * LOG2E, out.stride(0), out.stride(1), lse.stride(0),
         idx.stride(0), idx.stride(1), cnt2.stride(0),
         G=g, GP=gp, TOK=tok, BS=bs, BN=bn, D=d, DENSE=dense, STAGES=stages, LOADER_REGS=loader_regs,
-        FIXED=fixed, LIM=lim, NWG=nwg, COMPUTE_REGS=compute_regs, BD=bd, PF=pf, PEEL=peel,
+        FIXED=fixed, LIM=lim, NWG=nwg, COMPUTE_REGS=compute_regs, BD=bd, PEEL=peel,
         num_warps=num_warps if nwg == 1 else 4,
         maxnreg=maxnreg)
     return out, lse
