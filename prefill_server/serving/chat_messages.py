@@ -42,9 +42,9 @@ def template_message(i: int, message: dict[str, Any], content: str) -> dict[str,
     out: dict[str, Any] = {"role": role, "content": content}
     if role == "assistant":
         if message.get("tool_calls") is not None:
-            out["tool_calls"] = _tool_calls(i, message["tool_calls"])
-            if out["tool_calls"] is None:
-                del out["tool_calls"]
+            calls = _tool_calls(i, message["tool_calls"])
+            if calls:  # (an empty list goes: the template then takes the plain assistant path)
+                out["tool_calls"] = calls
         reasoning = message.get("reasoning")
         if reasoning is None:
             reasoning = message.get("reasoning_content")
@@ -64,14 +64,11 @@ def template_message(i: int, message: dict[str, Any], content: str) -> dict[str,
     return out
 
 
-def _tool_calls(i: int, calls: Any) -> Any:
-    """An assistant's tool calls with each function's arguments as an object; None for an empty
-    list (the template then takes the plain assistant path). vLLM fails on what is not a list of
-    function calls (a 400 here)."""
+def _tool_calls(i: int, calls: Any) -> list[dict]:
+    """An assistant's tool calls with each function's arguments as an object. vLLM fails on what is
+    not a list of function calls (a 400 here)."""
     if not isinstance(calls, list):
         raise InvalidRequest(f"messages.{i}.tool_calls must be a list of tool calls", field=f"messages.{i}.tool_calls")
-    if not calls:
-        return None
     out = []
     for j, call in enumerate(calls):
         where = f"messages.{i}.tool_calls.{j}"

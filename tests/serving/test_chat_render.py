@@ -1,11 +1,9 @@
 """A chat body's rendering here follows vLLM 0.32's chat endpoint (``ChatCompletionRequest.
 build_chat_params``: the request's own fields override ``chat_template_kwargs``; a request template
 is refused unless the decode trusts it), since the decode renders the same body itself."""
-import json
-import pathlib
-import subprocess
 
 import pytest
+from vllm_serving_reference import ask
 
 from prefill_server.errors import InvalidRequest
 from prefill_server.models.tokenizer import developer_as_system
@@ -13,9 +11,6 @@ from prefill_server.serving.chat_render import template_kwargs
 from prefill_server.serving.token_parity import local_chat_ids
 
 MSGS = [{"role": "user", "content": "Hi"}]
-REPO = pathlib.Path(__file__).resolve().parents[2]
-VLLM_PY = REPO / ".venv-vllm" / "bin" / "python"
-REFERENCE = pathlib.Path(__file__).with_name("vllm_serving_reference.py")
 
 D, S, U, A = "developer", "system", "user", "assistant"
 CONVERSATIONS = [[{"role": r, "content": c} for r, c in conv] for conv in (
@@ -76,12 +71,7 @@ def test_developer_messages_become_system_as_vllm_renders_them():
     ours = [developer_as_system(c) for c in CONVERSATIONS]
     assert ours[0] == [{"role": S, "content": "Be brief."}, {"role": U, "content": "Name a colour."}]
     assert ours[1][0] == {"role": S, "content": "You are kind.\n\nBe brief."} and len(ours[1]) == 2
-    if not VLLM_PY.exists():
-        pytest.skip("no .venv-vllm (scripts/setup.sh makes it)")
-    out = subprocess.run([str(VLLM_PY), str(REFERENCE), "roles"], input=json.dumps(CONVERSATIONS),
-                         capture_output=True, text=True, timeout=300, cwd="/")
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert ours == json.loads(out.stdout)
+    assert ours == ask("roles", CONVERSATIONS)
 
 
 def test_a_developer_message_renders_as_system_with_smollm2(local_service):

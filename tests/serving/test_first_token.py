@@ -251,16 +251,9 @@ def test_a_merged_answer_has_every_field_of_vllms(local_service, kind):
     """The answer put together here (t1 + the decode's rest) carries the keys vLLM 0.32's own answer
     of that kind does (its response classes, ``vllm_serving_reference.py shapes``), nulls included:
     a client that indexes ``choices[0]["message"]["refusal"]`` works as against vLLM alone."""
-    import pathlib
-    import subprocess
+    from vllm_serving_reference import ask
 
-    vllm_py = pathlib.Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
-    if not vllm_py.exists():
-        pytest.skip("no .venv-vllm (scripts/setup.sh makes it)")
-    out = subprocess.run([str(vllm_py), str(pathlib.Path(__file__).with_name("vllm_serving_reference.py")),
-                          "shapes"], capture_output=True, text=True, timeout=300, cwd="/")
-    assert out.returncode == 0, out.stderr[-2000:]
-    theirs = json.loads(out.stdout)[kind]
+    theirs = ask("shapes")[kind]
     tok = local_service.tokenizer
     prompt = tok.encode("The sea is")
     t1, t2 = _ids(tok, "Hello", "!")

@@ -7,18 +7,13 @@ only for a request the decode will take, and no request the decode takes is refu
 from __future__ import annotations
 
 import itertools
-import json
-import pathlib
-import subprocess
 
 import pytest
+from vllm_serving_reference import ask
 
 from prefill_server.errors import InvalidRequest
 from prefill_server.serving import openai_schema as schema
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
-VLLM_PY = REPO / ".venv-vllm" / "bin" / "python"
-REFERENCE = pathlib.Path(__file__).with_name("vllm_serving_reference.py")
 
 PROMPT = {"model": "m", "prompt": "hello there"}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
@@ -96,13 +91,8 @@ def test_the_messages_say_what_to_change():
 
 
 def test_our_checks_agree_with_vllms_own_on_every_body():
-    if not VLLM_PY.exists():
-        pytest.skip("no .venv-vllm (scripts/setup.sh makes it)")
     cases = _cases()
-    out = subprocess.run([str(VLLM_PY), str(REFERENCE), "bodies"], input=json.dumps(cases), capture_output=True,
-                         text=True, timeout=300, cwd="/")
-    assert out.returncode == 0, out.stderr[-2000:]
-    theirs = json.loads(out.stdout)
+    theirs = ask("bodies", cases)
     assert len(theirs) == len(cases)
     disagree = [(c["endpoint"], {k: v for k, v in c["body"].items() if k not in CHAT and k not in PROMPT},
                  _ours(c), t) for c, t in zip(cases, theirs) if _ours(c)[0] != t["ok"]]

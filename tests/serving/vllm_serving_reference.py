@@ -20,11 +20,31 @@
     .venv-vllm/bin/python tests/serving/vllm_serving_reference.py shapes < /dev/null
         stdout: {"completion": ..., "chat": ...}: a non-streamed answer of each kind as vLLM's response
         classes serialize it, every optional field at its default (the keys a client may index).
+
+Tests (in our venv) call ``ask(mode, payload)``, which runs this file in .venv-vllm.
 """
 from __future__ import annotations
 
 import json
+import pathlib
 import sys
+
+VLLM_PY = pathlib.Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
+
+
+def ask(mode: str, payload=None):
+    """From a test: ``mode``'s answer for ``payload``, computed by vLLM's code in .venv-vllm (the
+    test is skipped where scripts/setup.sh has not made it)."""
+    import subprocess
+
+    import pytest
+
+    if not VLLM_PY.exists():
+        pytest.skip("no .venv-vllm (scripts/setup.sh makes it)")
+    out = subprocess.run([str(VLLM_PY), __file__, mode], input="" if payload is None else json.dumps(payload),
+                         capture_output=True, text=True, timeout=300, cwd="/")
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
 
 
 def bodies(cases: list[dict]) -> list[dict]:
