@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefill_server.engine.worker import MAX_LOGPROBS, SAMPLING_EPS
+from prefill_server.serving.openai_schema import usage_asked
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stream",
            "stream_options", "n", "user", "ignore_eos", "skip_special_tokens",
@@ -209,7 +210,9 @@ class FirstToken:
 
 
 class StreamState:
-    """Turns the decode's SSE events into the client's, t1 first."""
+    """Turns the decode's SSE events into the client's, t1 first. The decode's events come with the
+    usage the client asked for already (``stream_relay.StreamUsage`` cuts the rest): each event's
+    usage and system_fingerprint are carried over, t1 counted as completion."""
 
     def __init__(self, ft: FirstToken):
         self.ft = ft
@@ -222,7 +225,7 @@ class StreamState:
         obj = "chat.completion.chunk" if self.ft.plan.kind == "chat" else "text_completion"
         ev = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
               "choices": choices, **extra}
-        return b"data: " + json.dumps(ev, ensure_ascii=False).encode() + b"\n\n"
+        return b"data: " + json.dumps(ev, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
     def _choice(self, text: str, tokens: tuple, finish: dict | None) -> dict:
         ft = self.ft
@@ -250,8 +253,7 @@ class StreamState:
     def _running_usage(self, completion_tokens: int) -> dict:
         """``stream_options.continuous_usage_stats`` (with ``include_usage``): every chunk carries
         the usage so far, as vLLM's do (the decode's later chunks carry theirs)."""
-        so = self.ft.plan.body.get("stream_options")
-        if not (isinstance(so, dict) and so.get("include_usage") and so.get("continuous_usage_stats")):
+        if not (usage_asked(self.ft.plan.body.get("stream_options")) or (False, False))[1]:
             return {}
         n = self.ft.num_prompt_tokens
         u = {"prompt_tokens": n, "completion_tokens": completion_tokens, "total_tokens": n + completion_tokens}
@@ -259,17 +261,23 @@ class StreamState:
             u["completion_tokens_details"] = None
         return {"usage": with_cached_tokens(u, self.ft.cached_tokens)}
 
-    def event(self, data: str) -> bytes:
-        """One of the decode's ``data:`` payloads -> the client's event(s)."""
-        try:
-            ev = json.loads(data)
-        except ValueError:  # [DONE], or anything else that is not an event to rewrite
-            return b"data: " + data.encode() + b"\n\n"
+    def event(self, data: str | dict) -> bytes:
+        """One of the decode's ``data:`` payloads (or the event, parsed) -> the client's event(s)."""
+        ev = data
+        if isinstance(data, str):
+            try:
+                ev = json.loads(data)
+            except ValueError:  # [DONE], or anything else that is not an event to rewrite
+                return b"data: " + data.encode() + b"\n\n"
         if not isinstance(ev, dict) or "error" in ev:
             return b"data: " + json.dumps(ev).encode() + b"\n\n"
         extra = {}
         if ev.get("usage") is not None:
             extra["usage"] = _usage(ev["usage"], self.ft.cached_tokens)
+            if self.ft.plan.kind == "chat" and ev.get("choices"):  # (vLLM's chat chunks name it, as null)
+                extra["usage"].setdefault("completion_tokens_details", None)
+        if ev.get("system_fingerprint") is not None:  # (vLLM's last chunk carries it)
+            extra["system_fingerprint"] = ev["system_fingerprint"]
         choices = []
         for c in ev.get("choices") or []:
             tokens = self.ft._decode_lp(c.get("logprobs")) if self.ft.plan.num_logprobs is not None else None

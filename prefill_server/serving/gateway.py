@@ -1,6 +1,7 @@
 """The prefill-then-decode policy for one OpenAI request: tokenize, check it fits the decode,
 prefill here, decide who samples the first token, call the decode with ``kv_transfer_params`` and
-relay its answer. ``http.py`` translates HTTP to and from these calls and nothing more.
+relay its answer (a stream: ``stream_relay.py``). ``http.py`` translates HTTP to and from these
+calls and nothing more.
 
 A request's outcome is counted once (``prefill_server:requests_total{outcome}``): ``ok`` only when
 the decode's answer reached the client whole (a stream: up to its ``[DONE]``), ``cancelled`` when the
@@ -21,8 +22,6 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import httpx
-
 from prefill_server.engine.worker import Route, SamplingParams
 from prefill_server.errors import (DecodeNotReached, DecodeUnavailable, InvalidRequest, PrefillError, PromptMismatch,
                                    PromptTooLong)
@@ -30,14 +29,14 @@ from prefill_server.serving import first_token as ft
 from prefill_server.serving import openai_schema as schema
 from prefill_server.serving import prefill_instance as pi
 from prefill_server.serving import sglang_prefill as sp
-from prefill_server.serving.relay import (chain, check_prompt_tokens, consume, data_lines, decode_failure,
-                                          decode_outcome, error_event, max_tokens_of, one_token_answer,
-                                          raise_prefill_failure, renamer, sampling_of, streamed_cached_tokens)
+from prefill_server.serving.relay import (chain, check_prompt_tokens, consume, decode_failure, decode_outcome,
+                                          max_tokens_of, one_token_answer, raise_prefill_failure, renamer,
+                                          sampling_of, streamed_cached_tokens)
+from prefill_server.serving.stream_relay import StreamUsage, relay
 from prefill_server.serving.decodes import Assignment, DecodeSet
 from prefill_server.serving.service import PrefillService
 
 log = logging.getLogger(__name__)
-_BROKEN = (httpx.HTTPError, OSError)  # a decode that died or dropped the connection mid-answer
 
 
 @dataclass
@@ -84,6 +83,12 @@ class _Call:
     first: ft.FirstToken | None = None
     release_after: bool = False
     cached_tokens: int | None = None  # the prefill's prefix-cache hit (None: no prefix cache)
+    usage: StreamUsage | None = None  # a stream from a vLLM decode: its usage, checked and cut (stream_relay.py)
+
+    @property
+    def decode_prompt_tokens(self) -> int:
+        """The prompt the decode must count: ours, and t1 with ``first`` (sampled here, appended)."""
+        return self.num_prompt_tokens + (1 if self.first else 0)
 
 
 class Gateway:
@@ -389,6 +394,8 @@ class Gateway:
         svc = self.service
         svc.backend.to_decode(c.body, c.params)
         c.body.setdefault("model", svc.info.served_name)
+        if c.stream and svc.backend.bootstrap_port is None:  # a vLLM decode's stream: checked as an answer is
+            c.usage = StreamUsage.ask(c.body, c.decode_prompt_tokens, c.request_id)
         try:
             resp = await self._send(c)
             if not c.stream:
@@ -402,12 +409,13 @@ class Gateway:
                 c.decode.end()
                 return Answer(content, resp.status_code)
             else:
-                events = self._relay(resp, c)
+                events = relay(self, resp, c)
                 first = await events.__anext__()  # started: its cleanup runs however the stream ends
                 return Stream(chain(first, events))
         except BaseException as e:  # unreachable decode, client gone (a started relay has cleaned up)
             svc.release(c.request_id)
-            self.metrics.kv_failed.inc()
+            if not isinstance(e, PromptMismatch):  # (the decode read it, for another prompt: as a whole answer)
+                self.metrics.kv_failed.inc()
             if isinstance(e, DecodeUnavailable) and e.marks_down:
                 self.decodes.report_unreachable(c.decode.decode, e.message)
             c.decode.end()
@@ -428,7 +436,7 @@ class Gateway:
         except ValueError:  # not JSON: relayed as it came
             body = None
         try:
-            check_prompt_tokens(body, c.num_prompt_tokens + (1 if c.first else 0), c.request_id)
+            check_prompt_tokens(body, c.decode_prompt_tokens, c.request_id)
         except PromptMismatch:
             svc.release(c.request_id)  # (its answer is not the client's: nothing is to read our KV now)
             raise
@@ -439,56 +447,3 @@ class Gateway:
                 and isinstance(body, dict) and isinstance(body.get("usage"), dict):
             return Answer({**body, "usage": ft.with_cached_tokens(body["usage"], c.cached_tokens), "model": served})
         return Answer(renamer(c.decode.decode.model, served)(resp.content), resp.status_code)
-
-    async def _relay(self, resp: httpx.Response, c: _Call) -> AsyncIterator[bytes]:
-        """The decode's events (with ``c.first``: t1's first, then the decode's rewritten). A stream
-        that breaks or ends without ``[DONE]`` gets an OpenAI error event, as vLLM sends one, so the
-        client can tell a cut answer from a whole one."""
-        state = c.first.stream_start() if c.first else None
-        outcome = "cancelled"
-        done = failed = False
-        client, served = c.decode.decode.client, self.service.info.served_name
-        rename = renamer(c.decode.decode.model, served)
-        deadline = asyncio.get_running_loop().time() + client.timeout_s  # (--decode-timeout: the whole answer)
-        try:
-            if state is not None:
-                yield state.first(served)
-            late = None
-            try:
-                async for data in data_lines(resp, deadline):
-                    done = done or data == "[DONE]"
-                    failed = failed or data.startswith('{"error"')
-                    yield state.event(data) if state is not None else rename(f"data: {data}\n\n".encode())
-            except (asyncio.TimeoutError, httpx.ReadTimeout):
-                late, reason = client.timed_out(c.path), None
-            except _BROKEN as e:
-                reason = f"the decode's stream broke ({type(e).__name__}: {e})"
-            else:
-                reason = None if done else "the decode's stream ended before [DONE]"
-            if late is not None:  # slow, not down: it keeps taking requests
-                log.warning("request %s: %s", c.request_id, late.message)
-                yield error_event(f"{late.message}; the answer is incomplete", "DecodeTimeout", 504)
-                yield b"data: [DONE]\n\n"
-                outcome = "DecodeTimeout"
-            elif reason is not None:
-                log.warning("request %s: %s", c.request_id, reason)
-                self.decodes.report_unreachable(c.decode.decode, f"{reason} at {c.decode.decode.url}")
-                yield error_event(f"{reason}; the answer is incomplete", "DecodeUnavailable", 502)
-                yield b"data: [DONE]\n\n"
-                outcome = "DecodeStreamBroken"
-            else:
-                outcome = "DecodeFailed" if failed else "ok"
-                self.metrics.e2e_time.observe(time.monotonic() - c.t0)
-        except (asyncio.CancelledError, GeneratorExit):
-            if done:  # the client had [DONE] (a yield hands its value over before it suspends) and closed
-                outcome = "DecodeFailed" if failed else "ok"
-            raise  # else the client went away mid-answer ("cancelled")
-        except BaseException:
-            outcome = "InternalError"
-            raise
-        finally:
-            await resp.aclose()
-            c.decode.end()
-            if c.release_after:
-                self.service.release(c.request_id)
-            c.outcome.record(outcome)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Literal, Union
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
-                      ValidationError)
+                      TypeAdapter, ValidationError)
 
 from prefill_server.errors import InvalidRequest
 from prefill_server.serving.chat_messages import system_texts, template_message
@@ -118,6 +118,26 @@ def parse(model_cls, body: Any):
         raise InvalidRequest(f"invalid field '{where}': {err['msg']}", field=where) from None
     parsed.check()
     return parsed
+
+
+_FLAG = TypeAdapter(Union[bool, None])  # a StreamOptions field of vLLM's (lax: true, 1, "yes", null...)
+
+
+def usage_asked(stream_options: Any) -> tuple[bool, bool] | None:
+    """(include_usage, continuous_usage_stats) as vLLM 0.32 reads a client's ``stream_options``
+    (``should_include_usage``: the second only with the first); None where vLLM would refuse them
+    (the decode is then sent them as they are, to say so itself). Reading them validates nothing:
+    a body is accepted or refused as before."""
+    if stream_options is None:
+        return False, False
+    if not isinstance(stream_options, dict):
+        return None
+    try:
+        include, continuous = (bool(_FLAG.validate_python(stream_options.get(k)))
+                               for k in ("include_usage", "continuous_usage_stats"))
+    except ValidationError:
+        return None
+    return include, include and continuous
 
 
 def single_prompt(prompt) -> str | list[int]:

@@ -2,10 +2,12 @@
 up cancels its prefill and never reaches the decode, or aborts the decode's answer; limits come from
 the decode (its --max-model-len 4096 < the model's 8192); --dtype auto follows it; a prefill started
 before its decode waits for it; a decode killed mid-answer gives the client an error, readiness
-follows it and requests fail fast; SIGTERM drains and exits cleanly. (The block-boundary sweep is
+follows it and requests fail fast; SIGTERM drains and exits cleanly; a streamed answer has the
+usage its client asked for, where vLLM alone puts it. (The block-boundary sweep is
 test_block_boundaries.py.)"""
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
@@ -149,6 +151,47 @@ def test_limits_are_the_decodes(vllm_decode, gateway):
     r = httpx.post(gateway.url + "/v1/completions", json={"prompt": [100] * 4000, "max_tokens": 200}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     assert time.monotonic() - t0 < 5, "refused only after computing"
+    assert gateway.wait_pool_empty() == 0
+
+
+def _stream(url: str, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", url + path, json=body, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+def _where_usage_goes(events: list[dict]) -> list[tuple]:
+    """Per event: its choices' finish reasons, its usage (less the prefix cache's cached_tokens, which
+    this server adds) and its system_fingerprint; then the whole text."""
+    shape = [([c.get("finish_reason") for c in e["choices"]], e.get("usage") and
+              {k: v for k, v in e["usage"].items() if k != "prompt_tokens_details"}, e.get("system_fingerprint"))
+             for e in events]
+    text = "".join(c.get("text") or c.get("delta", {}).get("content") or "" for e in events for c in e["choices"])
+    return shape + [text]
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_a_stream_has_the_usage_its_client_asked_for(vllm_decode, gateway, kind):
+    """The decode is always asked for usage on every chunk (its prompt count is checked on the
+    first), yet each stream_options case gets vLLM alone's events: per-chunk usage only with
+    continuous_usage_stats, the last usage chunk only with include_usage, the fingerprint where vLLM
+    puts it; t1 from the prefill (greedy) or from the decode (min_tokens takes the ordinary way)."""
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    base = {"messages": [{"role": "user", "content": "Name a colour."}]} if kind == "chat" else {"prompt": "The sea is"}
+    url = gateway.url
+    ahead, not_ahead = (metric(url, "prefill_server:first_token_total", f'{{sampled_by="{who}"}}')
+                        for who in ("prefill", "decode"))
+    for so in (None, {"include_usage": True}, {"include_usage": True, "continuous_usage_stats": True}):
+        for extra in ({}, {"min_tokens": 0}):
+            body = base | {"max_tokens": 6, "temperature": 0, "stream": True} | extra | \
+                ({"stream_options": so} if so else {})
+            ours = _where_usage_goes(_stream(url, path, body))
+            theirs = _where_usage_goes(_stream(vllm_decode.url, path, {**body, "model": vllm_decode.model}))
+            assert ours == theirs, (so, extra)
+    assert metric(url, "prefill_server:first_token_total", '{sampled_by="prefill"}') == ahead + 3
+    assert metric(url, "prefill_server:first_token_total", '{sampled_by="decode"}') == not_ahead + 3
     assert gateway.wait_pool_empty() == 0
 
 

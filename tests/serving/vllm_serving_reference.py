@@ -20,6 +20,13 @@
     .venv-vllm/bin/python tests/serving/vllm_serving_reference.py shapes < /dev/null
         stdout: {"completion": ..., "chat": ...}: a non-streamed answer of each kind as vLLM's response
         classes serialize it, every optional field at its default (the keys a client may index).
+    .venv-vllm/bin/python tests/serving/vllm_serving_reference.py streams < cases.json
+        stdin: a JSON list of {"endpoint": "completion" | "chat", "body": request fields (stream_options,
+        ...), "prompt_tokens": n, "texts": one text per generated token, "finish_reason": str};
+        stdout: for each, the ``data:`` payloads of the stream vLLM's own generator
+        (``completion_stream_generator`` / ``chat_completion_stream_generator``, on a serving object
+        with the defaults of ``vllm serve`` and system_fingerprint "fp-ref") sends for an engine
+        whose outputs are those tokens, one per step: where usage and system_fingerprint go.
 
 Tests (in our venv) call ``ask(mode, payload)``, which runs this file in .venv-vllm.
 """
@@ -119,6 +126,47 @@ def shapes(_=None) -> dict:
     return {"chat": json.loads(chat.model_dump_json()), "completion": json.loads(completion.model_dump_json())}
 
 
+def streams(cases: list[dict]) -> list[list[str]]:
+    import asyncio
+
+    from vllm.entrypoints.generate.base.protocol import RequestResponseMetadata
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    def serving(cls):  # (its __init__ wants a running engine: the attributes the generators read)
+        s = object.__new__(cls)
+        s.enable_force_include_usage = s.enable_prompt_tokens_details = s.enable_per_request_metrics = False
+        s.enable_log_outputs, s.request_logger, s.system_fingerprint = False, None, "fp-ref"
+        s.parser_cls, s._include_reasoning_tokens_details, s.response_role = None, False, "assistant"
+        return s
+
+    async def outputs(case, pairs: bool):
+        texts, ids = case["texts"], list(range(case["prompt_tokens"]))
+        for i, text in enumerate(texts):
+            last = i == len(texts) - 1
+            out = RequestOutput("r", "x", ids, None, [CompletionOutput(
+                0, text, [100 + i], None, None, finish_reason=case["finish_reason"] if last else None)], last,
+                num_cached_tokens=0)
+            yield (0, out) if pairs else out
+
+    async def run(case) -> list[str]:
+        body, meta = {"model": "m", **case["body"], "stream": True}, RequestResponseMetadata(request_id="r")
+        if case["endpoint"] == "chat":
+            req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], **body})
+            gen = serving(OpenAIServingChat).chat_completion_stream_generator(
+                req, outputs(case, False), "chatcmpl-r", "m", [], None, meta)
+        else:
+            req = CompletionRequest.model_validate({"prompt": [1], **body})
+            gen = serving(OpenAIServingCompletion).completion_stream_generator(
+                req, [None], outputs(case, True), "cmpl-r", 1, "m", 1, None, meta)
+        return [ev.removeprefix("data: ").strip() async for ev in gen]
+
+    return [asyncio.run(run(case)) for case in cases]
+
+
 if __name__ == "__main__":
-    mode = {"bodies": bodies, "roles": roles, "messages": messages, "shapes": shapes}[sys.argv[1]]
+    mode = {"bodies": bodies, "roles": roles, "messages": messages, "shapes": shapes, "streams": streams}[sys.argv[1]]
     json.dump(mode(None if sys.argv[1] == "shapes" else json.load(sys.stdin)), sys.stdout)
