@@ -30,8 +30,8 @@ from prefill_server.serving import openai_schema as schema
 from prefill_server.serving import prefill_instance as pi
 from prefill_server.serving import sglang_prefill as sp
 from prefill_server.serving.relay import (chain, check_prompt_tokens, consume, decode_failure, decode_outcome,
-                                          max_tokens_of, one_token_answer, raise_prefill_failure, renamer,
-                                          sampling_of, streamed_cached_tokens)
+                                          ended_cached_tokens, max_tokens_of, one_token_answer,
+                                          raise_prefill_failure, renamer, sampling_of, streamed_cached_tokens)
 from prefill_server.serving.stream_relay import StreamUsage, relay
 from prefill_server.serving.decodes import Assignment, DecodeSet
 from prefill_server.serving.service import PrefillService
@@ -396,6 +396,9 @@ class Gateway:
         c.body.setdefault("model", svc.info.served_name)
         if c.stream and svc.backend.bootstrap_port is None:  # a vLLM decode's stream: checked as an answer is
             c.usage = StreamUsage.ask(c.body, c.decode_prompt_tokens, c.request_id)
+            if c.usage and svc.info.prefix_cache and not c.first:  # (t1 ahead: StreamState adds it)
+                c.usage.cached_tokens = (lambda: c.cached_tokens) if c.prefill is None else \
+                    (lambda: ended_cached_tokens(c.prefill))
         try:
             resp = await self._send(c)
             if not c.stream:

@@ -116,6 +116,11 @@ async def streamed_cached_tokens(prefill: asyncio.Future, wait_s: float = 2.0) -
     layer reached it, so the prefill has (nearly always) ended; None if it has not within ``wait_s``
     or failed (the answer then carries the decode's own usage)."""
     await asyncio.wait([prefill], timeout=wait_s)
+    return ended_cached_tokens(prefill)
+
+
+def ended_cached_tokens(prefill: asyncio.Future) -> int | None:
+    """A streamed prefill's prefix-cache hit if it has ended well; None otherwise."""
     if not prefill.done() or prefill.cancelled() or prefill.exception() is not None:
         return None
     return prefill.result().num_cached_tokens

@@ -13,8 +13,9 @@ gives it (``should_include_usage``, chat_completion/serving.py, completion/servi
   instead, so that chunk is held until the decode's usage chunk brings the fingerprint (the next
   event: the server answers one choice).
 
-Events that need no edit go through as the decode's bytes; edited ones are written compactly, as
-vLLM writes them.
+With a prefix cache, each usage the client gets says in ``prompt_tokens_details.cached_tokens`` how
+many prompt tokens came from it, as whole answers do. Events that need no edit go through as the
+decode's bytes; edited ones are written compactly, as vLLM writes them.
 """
 from __future__ import annotations
 
@@ -22,12 +23,13 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 import httpx
 
 from prefill_server.errors import PromptMismatch
+from prefill_server.serving.first_token import with_cached_tokens
 from prefill_server.serving.openai_schema import usage_asked
 from prefill_server.serving.relay import check_prompt_tokens, data_lines, error_event, renamer
 
@@ -47,6 +49,8 @@ class StreamUsage:
         self.expected, self.request_id = expected, request_id
         self.checked = False
         self._held: list[dict] = []  # finishing chunks waiting for the fingerprint
+        # the prefill's prefix-cache hit once known (a streamed prefill's, when it ended); None: no cache
+        self.cached_tokens: Callable[[], int | None] = lambda: None
 
     @classmethod
     def ask(cls, body: dict, expected: int, request_id: str) -> StreamUsage | None:
@@ -63,7 +67,8 @@ class StreamUsage:
         """The client's events for one of the decode's ``data:`` payloads: the payload itself where
         nothing changes, else the edited events, parsed. Raises ``PromptMismatch`` at the first
         usage of another prompt's count."""
-        if data == "[DONE]" or (self.checked and self.continuous):
+        cached = self.cached_tokens()
+        if data == "[DONE]" or (self.checked and self.continuous and cached is None):
             return [*self.flush(), data]  # (as asked: the decode's events are the client's)
         try:
             ev = json.loads(data)
@@ -75,10 +80,10 @@ class StreamUsage:
             check_prompt_tokens(ev, self.expected, self.request_id)
             self.checked = True
         if self.continuous:
-            return [data]
+            return [self._cached(ev, cached) or data]
         if ev.get("choices") == []:  # the usage chunk, the last before [DONE]
             if self.include:
-                return [*self.flush(), data]
+                return [*self.flush(), self._cached(ev, cached) or data]
             held = self.flush()
             if ev.get("system_fingerprint") is not None:
                 for h in held:
@@ -91,6 +96,13 @@ class StreamUsage:
             self._held.append(ev)
             return out
         return [*out, ev]
+
+    @staticmethod
+    def _cached(ev: dict, cached: int | None) -> dict | None:
+        """``ev`` with the prefix cache's hit in its usage; None where there is nothing to add."""
+        if cached is None or not isinstance(ev.get("usage"), dict):
+            return None
+        return {**ev, "usage": with_cached_tokens(ev["usage"], cached)}
 
     def flush(self) -> list[dict]:
         """The chunks held (a stream that ends without the usage chunk: they go without the fingerprint)."""
