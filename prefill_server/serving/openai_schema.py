@@ -67,7 +67,7 @@ class CompletionBody(_Body):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    role: StrictStr  # any name, as vLLM takes it (a custom role reaches the template as it came)
     content: Union[StrictStr, list[dict[str, Any]], None] = None
 
 

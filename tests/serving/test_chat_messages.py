@@ -48,6 +48,11 @@ CONVERSATIONS = [
     [{"role": A, "content": "x", "tool_calls": ["f"]}],
     [{"role": A, "content": "x", "tool_calls": {"id": "a"}}],
     [{"role": "tool", "content": "x", "tool_call_id": 5}],
+    [{"role": "wizard", "content": "x", "name": "w", "tool_call_id": "c", "tools": [], "reasoning": "r"}],
+    [{"role": "function", "content": "42", "name": "f"}, {"role": "ipython", "content": [{"type": "text", "text": "a"}]}],
+    [{"role": "USER", "content": "x"}, {"role": "", "content": "y"}, {"role": "user ", "content": "z"}],
+    [{"role": "wizard", "content": None}],
+    [{"role": "wizard"}],
 ]
 
 
@@ -64,7 +69,7 @@ def test_messages_reach_the_template_as_vllm_hands_them_over():
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"city": "Paris"}}}]}]
     assert mine[8] == [{"role": A, "content": "x", "reasoning": "r", "reasoning_content": "r"}]
     assert mine[16] == [{"role": "system", "content": "You are Claude Code."}]
-    assert "error" in mine[-1] and "error" in mine[20] and "error" in mine[2]
+    assert "error" in mine[29] and "error" in mine[20] and "error" in mine[2]
     for conv, mine_one, theirs in zip(CONVERSATIONS, mine, ask("messages", CONVERSATIONS)):
         if "error" in theirs:
             assert isinstance(mine_one, dict) and "error" in mine_one, (conv, theirs["error"], mine_one)

@@ -132,7 +132,8 @@ CHAT = (
     + typed("messages", [None, "hi", 5, {}, {"role": "user", "content": "x"}, [], [5], [None], ["hi"],
                          [[{"role": "user", "content": "x"}]], nested(40)])
     + [("message", {"content": "x"}, "role")]
-    + [("message", {"role": r, "content": "x"}, "role") for r in (5, None, "wizard", "USER", "", [], "user ")]
+    + [("message", {"role": r, "content": "x"}, "role") for r in (5, None, [], {"name": "user"}, True)]
+    + [("message", {"role": r, "content": "x"}, None) for r in ("wizard", "USER", "", "user ", "function")]
     + [("message", {"role": r, "content": None}, "content") for r in ("user", "system", "tool", "developer")]
     + [("message", {"role": "user", "content": c}, "content") for c in
        (5, 1.5, True, {"a": 1}, [5], ["text"], [[]], [{"type": "text", "text": 5}], [{"type": "text"}],
