@@ -8,7 +8,7 @@ of stop strings) stay the decode's to check.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Union
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
                       TypeAdapter, ValidationError)
