@@ -47,6 +47,9 @@ _CHAT_NULLS = ("prompt_logprobs", "prompt_token_ids", "prompt_text")
 _COMPLETION_CHOICE_NULLS = ("token_ids", "prompt_logprobs", "prompt_token_ids", "routed_experts")
 _CHAT_CHOICE_NULLS = ("token_ids", "routed_experts")
 _MESSAGE_NULLS = ("refusal", "annotations", "audio", "function_call", "reasoning")
+# and in its streamed chunks: the chat role chunk's, and every completion choice's
+_STREAM_CHAT_FIRST_NULLS = ("prompt_token_ids", "prompt_text")
+_STREAM_COMPLETION_CHOICE_NULLS = ("prompt_token_ids", "token_ids")
 
 
 @dataclass(frozen=True)
@@ -227,7 +230,9 @@ class StreamState:
               "choices": choices, **extra}
         return b"data: " + json.dumps(ev, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
-    def _choice(self, text: str, tokens: tuple, finish: dict | None) -> dict:
+    def _choice(self, text: str, tokens: tuple, finish_reason: str | None, stop_reason) -> dict:
+        """One choice as vLLM 0.32's stream generators write it: a chat chunk names stop_reason on
+        its finishing chunk only, a completion chunk on every one; both carry their null fields."""
         ft = self.ft
         lp = None
         if ft.plan.num_logprobs is not None:
@@ -235,10 +240,13 @@ class StreamState:
                 lp = ft._chat_lp(*tokens)
             else:
                 lp, self.offset = ft._completion_lp(*tokens, self.offset)
-        fin = finish or {"finish_reason": None}
         if ft.plan.kind == "chat":
-            return {"index": 0, "delta": {"content": text}, "logprobs": lp, **fin}
-        return {"index": 0, "text": text, "logprobs": lp, **fin}
+            fin = {"finish_reason": finish_reason}
+            if finish_reason is not None:
+                fin["stop_reason"] = stop_reason
+            return {"index": 0, "delta": {"content": text}, "logprobs": lp, **fin, "token_ids": None}
+        return {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason, "stop_reason": stop_reason,
+                **dict.fromkeys(_STREAM_COMPLETION_CHOICE_NULLS)}
 
     def first(self, model: str) -> bytes:
         """The events sent before any of the decode's: (chat: the role) then t1."""
@@ -246,9 +254,10 @@ class StreamState:
         ft, out = self.ft, b""
         if ft.plan.kind == "chat":
             out += self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                 "finish_reason": None}], **self._running_usage(0))
+                                 "finish_reason": None}], **self._running_usage(0),
+                               **dict.fromkeys(_STREAM_CHAT_FIRST_NULLS))
         tokens = ft._first_lp() if ft.plan.num_logprobs is not None else None
-        return out + self._chunk([self._choice(ft.text, tokens, None)], **self._running_usage(1))
+        return out + self._chunk([self._choice(ft.text, tokens, None, None)], **self._running_usage(1))
 
     def _running_usage(self, completion_tokens: int) -> dict:
         """``stream_options.continuous_usage_stats`` (with ``include_usage``): every chunk carries
@@ -281,10 +290,7 @@ class StreamState:
         choices = []
         for c in ev.get("choices") or []:
             tokens = self.ft._decode_lp(c.get("logprobs")) if self.ft.plan.num_logprobs is not None else None
-            finish = {"finish_reason": c.get("finish_reason")}
-            if c.get("finish_reason") is not None:
-                finish["stop_reason"] = c.get("stop_reason")
-            choices.append(self._choice(c.get("text") or "", tokens, finish))
+            choices.append(self._choice(c.get("text") or "", tokens, c.get("finish_reason"), c.get("stop_reason")))
         return self._chunk(choices, **extra)
 
 

@@ -163,9 +163,11 @@ def _stream(url: str, path: str, body: dict) -> list[dict]:
 
 
 def _where_usage_goes(events: list[dict]) -> list[tuple]:
-    """Per event: its choices' finish reasons, its usage (less the prefix cache's cached_tokens, which
-    this server adds) and its system_fingerprint; then the whole text."""
-    shape = [([c.get("finish_reason") for c in e["choices"]], e.get("usage") and
+    """Per event: its fields and its choices' (null ones included), its choices' finish reasons, its
+    usage (less the prefix cache's cached_tokens, which this server adds) and its system_fingerprint;
+    then the whole text."""
+    shape = [(sorted(e), [sorted(c) + sorted(c.get("delta", ())) for c in e["choices"]],
+              [c.get("finish_reason") for c in e["choices"]], e.get("usage") and
               {k: v for k, v in e["usage"].items() if k != "prompt_tokens_details"}, e.get("system_fingerprint"))
              for e in events]
     text = "".join(c.get("text") or c.get("delta", {}).get("content") or "" for e in events for c in e["choices"])
