@@ -137,9 +137,11 @@ def destination(peer: Peer | None, info: wire.TransferInfo, num_tokens: int, g: 
         return f"decode prefix of {prefix} tokens: not page-aligned or longer than the prompt ({num_tokens})"
     rows = num_tokens - prefix
     need = -(-rows // ps)
-    if len(info.pages) < need:
-        return (f"the decode sent {len(info.pages)} pages for {rows} tokens of page size {ps}; {need} are "
-                f"needed: does it have the same prompt ({num_tokens} tokens here)?")
+    if len(info.pages) != need:  # SGLang sends the pages of its prompt past its prefix, no more
+        return (f"the decode sent {len(info.pages)} pages (page size {ps}) for its prompt past its {prefix}-token "
+                f"prefix, where this prompt of {num_tokens} tokens needs {need}: the decode's prompt is not the one "
+                "prefilled here (its tokenizer or chat template differ from this server's for this request; "
+                "--tokenizer-parity decode tokenizes every request at the decode)")
     pages = info.pages[:need].astype(np.int64)
     slots = peer.reg.num_slots or (1 << 62)
     if need and (int(pages.min()) < 1 or int(pages.max()) >= slots):

@@ -240,8 +240,8 @@ def test_a_transfer_info_that_does_not_fit_fails_the_room_with_a_reason(prefill,
     prefill.expect("e1", 20, bootstrap_room=11)
     decode.transfer_info(11, [1, 2])  # 20 tokens need 5 pages of 4
     status = decode.receive()
-    assert status[:4] == [b"KV_STATUS", b"11", b"0", b"0"] and b"5 are needed" in status[4]
-    assert "5 are needed" in prefill.overdue("e1")
+    assert status[:4] == [b"KV_STATUS", b"11", b"0", b"0"] and b"needs 5" in status[4]
+    assert "needs 5" in prefill.overdue("e1")
     freed = threading.Event()
     prefill.abort("e1", "failed", on_idle=freed.set)
     assert freed.wait(5)

@@ -149,7 +149,8 @@ def test_destination_coalesces_runs_of_consecutive_pages():
 
 
 @pytest.mark.parametrize("pages,prefix,n,words", [
-    ([1, 2], 0, 12, "3 are needed"), ([0, 1, 2], 0, 12, "page 0 is padding"), ([1, 64, 2], 0, 12, "outside"),
+    ([1, 2], 0, 12, "needs 3"), ([1, 2, 3, 4], 0, 12, "needs 3"), ([1, 2, 3, 4], 4, 9, "needs 2"),
+    ([0, 1, 2], 0, 12, "page 0 is padding"), ([1, 64, 2], 0, 12, "outside"),
     ([1, 2, 3], 2, 12, "page-aligned"), ([1], 16, 12, "longer than the prompt")])
 def test_destination_refusals(pages, prefix, n, words):
     peer = Peer(wire.parse(registration_frames(kv_ptrs=(1, 2, 3, 4), item_len=G.item_len, num_slots=64)),
