@@ -85,27 +85,6 @@ def test_kernel_load_and_softmax_variants(triton_device, fma, kvload, rcp, fixm,
     assert (l.double().cpu() - l2).abs().max() < 1e-3
 
 
-@pytest.mark.parametrize("gp,tok,fixm,dense", [(2, 16, 2, False), (4, 8, 1, False), (4, 8, 0, True),
-                                                (1, 32, 2, False)])
-def test_two_items_per_program(triton_device, gp, tok, fixm, dense):
-    """pair=2: two neighbouring items (token slices of one query block) per program, varlen with
-    q_len < k_len and idle items; where a block is one item (tok = block size) it stays one."""
-    bs = 32
-    q, k, v, cu_q, cu_k = batch([70, 33, 40], [150, 33, 300], 8, 2, 64, bs, dtype=torch.float16,
-                                device=triton_device)
-    lay = build_layout(cu_q, cu_k, q.shape[0], k.shape[0], bs)
-    sel = (torch.rand(lay.n_slots, 2, lay.max_kblocks, generator=torch.Generator().manual_seed(3))
-           < 0.5).to(triton_device)
-    sel = torch.ones_like(sel) if dense else sel
-    p = plan_from_mask(sel, lay, SparseConfig(block_size=bs, backend="triton"))
-    o, l = _run(p, q, k, v, dense=dense, mode="grid", gp=gp, tok=tok, bn=16, fixm=fixm, pair=2)
-    o1, l1 = _run(p, q, k, v, dense=dense, mode="grid", gp=gp, tok=tok, bn=16, fixm=fixm, pair=1)
-    assert torch.equal(o, o1) and torch.equal(l, l1)  # the same items, computed the same way
-    o2, l2 = brute_force(q, k, v, cu_q, cu_k, sel, bs)
-    assert rel_l2(o, o2) < TOL[torch.float16]
-    assert (l.double().cpu() - l2).abs().max() < 1e-3
-
-
 @pytest.mark.parametrize("fixm", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32,
                                    pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])

@@ -40,8 +40,7 @@ def attn_sig(fn):
     return sig
 
 
-def compile_attn(mode, gp, tok, bn, nw, ns, maxnreg, ctas=None, fma=0, kvload=0, rcp=0, fixm=0, dense=False,
-                 pair=1):
+def compile_attn(mode, gp, tok, bn, nw, ns, maxnreg, ctas=None, fma=0, kvload=0, rcp=0, fixm=0, dense=False):
     persistent = mode == "persistent"
     if persistent:
         from prefill_server.kernels.block_sparse.persistent import _attn_fwd_persistent as fn
@@ -51,7 +50,7 @@ def compile_attn(mode, gp, tok, bn, nw, ns, maxnreg, ctas=None, fma=0, kvload=0,
     cx = dict(G=4, GP=gp, TOK=tok, BS=128, BN=bn, D=128, DENSE=dense)
     if not persistent:
         cx.update(MERGED=mode == "merged", FMA=bool(fma), KVLOAD=kvload, WS=False, RCP=bool(rcp), FIXM=int(fixm),
-                  LIM=2.0 ** 64, PAIR=pair)
+                  LIM=2.0 ** 64)
         desc = f"tensordesc<bf16[{bn}, 128]>" if kvload == 2 else "*bf16"
         sig.update(K_DESC=desc, V_DESC=desc)
     sig.update({k: "constexpr" for k in cx})

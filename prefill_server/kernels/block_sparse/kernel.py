@@ -18,8 +18,7 @@ later item's queries, BN=32 with 3 stages, a lazy (thresholded) rescale of the r
 row sum on the tensor cores.
 
 Two launch schemes compute the same thing:
-- ``grid``: one program per item (``MERGED`` folds the diagonal tiles into the same pipelined loop),
-  or per ``pair`` neighbouring items (``PAIR``: fewer programs; not the default, being measured);
+- ``grid``: one program per item (``MERGED`` folds the diagonal tiles into the same pipelined loop);
 - ``persistent`` (``persistent.py``): one program per SM walks its items' iterations as one flat loop.
 
 Imported lazily by ``api.py``: importing the package never needs Triton.
@@ -170,27 +169,11 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K, SLOT_SEQ, SLOT_QBLK, IDX, CNT, K_DESC
               G: tl.constexpr, GP: tl.constexpr, TOK: tl.constexpr, BS: tl.constexpr,
               BN: tl.constexpr, D: tl.constexpr, DENSE: tl.constexpr, MERGED: tl.constexpr,
               FMA: tl.constexpr, KVLOAD: tl.constexpr, WS: tl.constexpr, RCP: tl.constexpr,
-              FIXM: tl.constexpr = False, LIM: tl.constexpr = 1.0, PAIR: tl.constexpr = 1):
-    """PAIR neighbouring items (token slices of one query block: the same listed tiles) per program,
-    one after the other, unrolled at compile time: fewer programs to launch, no loop-carried state."""
-    SPLIT: tl.constexpr = BS // TOK
-    for j in tl.static_range(PAIR):
-        _grid_item(tl.program_id(0) * PAIR + j + tl.program_id(1) * (n_slots * SPLIT), Q, K, V, O, LSE, CU_Q, CU_K,
-                   SLOT_SEQ, SLOT_QBLK, IDX, CNT, K_DESC, V_DESC, n_slots, qk_scale, stride_qt, stride_qh, stride_kt,
-                   stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lt, stride_is, stride_ih, stride_cs,
-                   G, GP, TOK, BS, BN, D, DENSE, MERGED, FMA, KVLOAD, WS, RCP, FIXM, LIM)
-
-
-@triton.jit
-def _grid_item(item, Q, K, V, O, LSE, CU_Q, CU_K, SLOT_SEQ, SLOT_QBLK, IDX, CNT, K_DESC, V_DESC, n_slots, qk_scale,
-               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-               stride_lt, stride_is, stride_ih, stride_cs,
-               G: tl.constexpr, GP: tl.constexpr, TOK: tl.constexpr, BS: tl.constexpr,
-               BN: tl.constexpr, D: tl.constexpr, DENSE: tl.constexpr, MERGED: tl.constexpr,
-               FMA: tl.constexpr, KVLOAD: tl.constexpr, WS: tl.constexpr, RCP: tl.constexpr,
-               FIXM: tl.constexpr, LIM: tl.constexpr):
+              FIXM: tl.constexpr = False, LIM: tl.constexpr = 1.0):
     NSUB: tl.constexpr = BS // BN
     M: tl.constexpr = TOK * GP
+    SPLIT: tl.constexpr = BS // TOK
+    item = tl.program_id(0) + tl.program_id(1) * (n_slots * SPLIT)
     slot, kvh, h0, q_start, q_len, k_start, tok0, off, diag_lo, q_last, live = _item(
         item, n_slots, SLOT_SEQ, SLOT_QBLK, CU_Q, CU_K, G, GP, TOK, BS)
     rows = tl.arange(0, M)
@@ -284,8 +267,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, idx: to
               num_warps: int | None = None, num_stages: int | None = None, mode: str | None = None,
               maxnreg: int | None = None, ctas_per_sm: int | None = None, nprog: int | None = None,
               fma: bool | None = None, kvload: int | None = None, ws: bool | None = None,
-              rcp: bool | None = None, fixm: int | None = None, pair: int | None = None,
-              sched_cache: dict | None = None, sched=None,
+              rcp: bool | None = None, fixm: int | None = None, sched_cache: dict | None = None, sched=None,
               out: torch.Tensor | None = None, lse: torch.Tensor | None = None, qk_descale: float = 1.0):
     """Launch the kernel. ``idx`` int32 [n_slots, Hkv, cap] / ``cnt`` int32 [n_slots, Hkv] come from
     ``estimate.select_blocks`` or ``api.mask_to_indices``; ``dense=True`` ignores them and visits
@@ -371,13 +353,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, idx: to
                           for x in (k, v))
             else:
                 kvload = 1
-        pair = int(dflt.get("pair", 1) if pair is None else pair)
-        if (bs // tok) % pair:
-            pair = 1  # (a program's items are token slices of one query block)
-        grid = (layout.n_slots * (bs // tok) // pair, hkv * (g // gp))
+        grid = (layout.n_slots * (bs // tok), hkv * (g // gp))
         last_compiled = _attn_fwd[grid](
             q, k, v, out, lse, layout.cu_q, layout.cu_k, layout.slot_seq, layout.slot_qblk, idx, cnt2,
             kd, vd, layout.n_slots, scale * LOG2E, *strides,
             G=g, GP=gp, TOK=tok, BS=bs, BN=bn, D=d, DENSE=dense, MERGED=(mode == "merged"),
-            FMA=fma, KVLOAD=kvload, WS=ws, RCP=rcp, FIXM=fixm, LIM=FIXM_LIMIT[v.dtype], PAIR=pair, **kw)
+            FMA=fma, KVLOAD=kvload, WS=ws, RCP=rcp, FIXM=fixm, LIM=FIXM_LIMIT[v.dtype], **kw)
     return out, lse
