@@ -120,6 +120,21 @@ def test_a_room_no_request_claims_fails_on_the_decode_with_our_reason(sglang):
         prefill.stop()
 
 
+def test_a_decode_whose_prompt_is_not_ours_gets_a_failed_room_before_any_kv(sglang, prefill):
+    """SGLang asks for the pages of its own prompt past its prefix: more pages than ours (its
+    tokenizer or template made a longer prompt) fail the room with the reason, as fewer do."""
+    for room, pages in ((5001, [1, 2, 3, 4]), (5002, [1, 2])):  # 9 tokens here: 3 pages of 4
+        prefill.expect(f"m{room}", 9, bootstrap_room=room)
+        sglang.call("request", decode="fp32", room=room, addr=addr(prefill), pages=pages, aux=7)
+        out = sglang.call("poll", decode="fp32", room=room, timeout_s=20)
+        assert out["state"] == FAILED and "needs 3" in out["reason"] and "not the one prefilled" in out["reason"]
+        assert "needs 3" in prefill.overdue(f"m{room}")
+        freed = threading.Event()
+        prefill.abort(f"m{room}", "failed", on_idle=freed.set)
+        assert freed.wait(5) and prefill.pool.num_used == 0
+        sglang.call("clear", decode="fp32", room=room)
+
+
 @pytest.mark.parametrize("kw,words", [({"page_size": 8}, "Page size mismatch"),
                                       ({"kv_cache_dtype": "bf16"}, "KV cache dtype mismatch")])
 def test_advertised_geometry_mismatches_are_refused_by_sglang_itself(sglang, kw, words):
