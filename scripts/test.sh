@@ -7,15 +7,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export TRITON_INTERPRET=1 PYTHONUNBUFFERED=1
+M="not slow and not gpu and not e2e"
 if [ "${1:-}" = "--e2e" ]; then
   shift
   export PREFILL_E2E_REQUIRED=${PREFILL_E2E_REQUIRED:-1}
-  exec .venv/bin/python -m pytest -ra -m "not slow and not gpu" "$@"
+  # with arguments (paths, options): one run of those; without: the three runs below, e2e tests included
+  [ $# -gt 0 ] && exec .venv/bin/python -m pytest -ra -m "not slow and not gpu" "$@"
+  M="not slow and not gpu"
 fi
 # The NIXL tests (and the prefill instance's, which serves a real NIXL side channel) run in their
-# own process: in one long session, loading NIXL's UCX libraries
-# after Triton's interpreter tests aborted the interpreter once (not understood yet; see issue notes).
-M="not slow and not gpu and not e2e"
+# own process, apart from everything else's native libraries (grpc_tools' protoc extension loaded
+# in-process once corrupted a later UCX agent's heap: test_grpc_proto.py runs protoc as a child now).
 .venv/bin/python -m pytest -ra -m "$M" tests/kv_transfer tests/serving/test_prefill_instance.py "$@"
 # The pool's tests start local Ray clusters (and fake GPUs): their own process too.
 .venv/bin/python -m pytest -ra -m "$M" tests/cluster "$@"
