@@ -59,12 +59,14 @@ class PrefillEvent:
 
 
 def build_request(prompt: str | Sequence[int] | None = None, *, messages: Sequence[dict] | None = None,
-                  model: str | None = None, temperature: float | None = None, top_p: float | None = None,
+                  chat: dict | None = None, model: str | None = None, temperature: float | None = None, top_p: float | None = None,
                   top_k: int | None = None, seed: int | None = None, request_id: str | None = None,
                   return_prompt_token_ids: bool = False, add_special_tokens: bool | None = None,
                   transfer_mode: str | None = None) -> pb.PrefillRequest:
-    """prompt: text or token ids; or messages: [{"role": ..., "content": ...}, ...]. The server
-    validates everything (and names the field it rejects)."""
+    """prompt: text or token ids; or messages: [{"role": ..., "content": ...}, ...]; or chat: an
+    OpenAI chat request body (messages with tool calls or reasoning, tools, chat_template_kwargs...),
+    rendered as the HTTP chat endpoint renders it. The server validates everything (and names the
+    field it rejects)."""
     req = pb.PrefillRequest(model=model or "", request_id=request_id or "",
                             return_prompt_token_ids=return_prompt_token_ids)
     if isinstance(prompt, str):
@@ -73,6 +75,8 @@ def build_request(prompt: str | Sequence[int] | None = None, *, messages: Sequen
         req.token_ids.extend(prompt)
     for m in messages or ():
         req.messages.add(role=m["role"], content=m.get("content") or "")
+    if chat is not None:
+        req.chat_json = json.dumps(chat)
     if add_special_tokens is not None:
         req.add_special_tokens = add_special_tokens
     s = req.sampling

@@ -24,12 +24,10 @@ import importlib.metadata
 import ipaddress
 import json
 import logging
-import math
 import os
 import sys
 import time
 import uuid
-from dataclasses import dataclass
 
 import google.protobuf
 import grpc
@@ -39,9 +37,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kv_transfer.base import check_request_id
-from prefill_server.engine.worker import PrefillResult, SamplingParams
+from prefill_server.engine.worker import PrefillResult
 from prefill_server.errors import InvalidRequest, PrefillError, PromptTooLong
 from prefill_server.serving.auth import ApiKeys
+from prefill_server.serving.grpc_inputs import Prepared, chat_messages, chat_request, input_field, sampling_params
 from prefill_server.serving.pb import prefill_pb2 as pb
 from prefill_server.serving.pb import prefill_pb2_grpc as pb_grpc
 from prefill_server.serving.service import PrefillService
@@ -54,8 +53,6 @@ MAX_MESSAGE_BYTES = 64 * 2**20  # a 1M-token prompt is ~5 MB of token ids; the g
 MODE_TO_PB = {"nixl-compat": pb.TRANSFER_MODE_NIXL_PULL, "connector": pb.TRANSFER_MODE_PUSH,
               "local": pb.TRANSFER_MODE_LOCAL}
 _POLL_S = 0.02  # PrefillStream: how often the worker's progress is read
-_GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: logits / 1e-30 overflow to inf and the softmax to NaN
-_TOP_P_MIN = 1e-6
 _MAX_DETAILS = 1000  # characters of error details (they may quote client input)
 # Field names the engine and the service use -> the request's field paths.
 _SAMPLING_FIELDS = {"temperature": "sampling.temperature", "top_p": "sampling.top_p",
@@ -148,55 +145,6 @@ def _renamed(e: PrefillError, input_field: str) -> PrefillError:
     return e
 
 
-# ---- request -> engine inputs ----
-
-@dataclass
-class _Prepared:
-    request_id: str
-    input_field: str  # token_ids | text | messages
-    token_ids: list[int]
-    sampling: SamplingParams
-    tokenize_s: float
-    t0: float  # time.monotonic() when the call arrived
-
-
-def _sampling(s: pb.SamplingParams) -> SamplingParams:
-    t = s.temperature if s.HasField("temperature") else 0.0
-    if not (math.isfinite(t) and t >= 0.0):
-        raise InvalidRequest(f"must be a finite number >= 0 (0 = greedy), not {t}", field="sampling.temperature")
-    if t < _GREEDY_BELOW:
-        t = 0.0
-    top_p = s.top_p if s.HasField("top_p") else 1.0
-    if not (0.0 < top_p <= 1.0):
-        raise InvalidRequest(f"must be in (0, 1], not {top_p}", field="sampling.top_p")
-    top_k = s.top_k if s.HasField("top_k") else -1
-    if top_k < -1:
-        raise InvalidRequest(f"must be >= 1, or 0 / -1 for off, not {top_k}", field="sampling.top_k")
-    if top_p < _TOP_P_MIN:  # keeps only the most likely token; below float32's range it would keep none
-        top_p, top_k = 1.0, 1
-    seed = s.seed if s.HasField("seed") else None
-    if seed is not None and seed < 0:
-        raise InvalidRequest(f"must be >= 0, not {seed}", field="sampling.seed")
-    return SamplingParams(temperature=t, top_p=top_p, top_k=top_k if top_k > 0 else -1, seed=seed)
-
-
-def _input_field(req: pb.PrefillRequest) -> str:
-    given = [name for name, present in (("token_ids", len(req.token_ids) > 0), ("text", req.text != ""),
-                                        ("messages", len(req.messages) > 0)) if present]
-    if not given:
-        raise InvalidRequest("the input is empty: set one of token_ids, text or messages", field="input")
-    if len(given) > 1:
-        raise InvalidRequest(f"set exactly one of token_ids, text or messages, not {' and '.join(given)}",
-                             field="input")
-    return given[0]
-
-
-def _chat_messages(req: pb.PrefillRequest) -> list[dict]:
-    """Any role, as HTTP and vLLM take it: a custom one (``ipython``, ``function``) reaches the chat
-    template as it came, and a template that refuses it gives INVALID_ARGUMENT (field ``messages``)."""
-    return [{"role": m.role, "content": m.content} for m in req.messages]
-
-
 class PrefillServicer(pb_grpc.PrefillServiceServicer):
     def __init__(self, service: PrefillService):
         self.service = service
@@ -205,9 +153,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
     def count(self, outcome: str) -> None:
         self.service.metrics.requests.labels(outcome).inc()
 
-    async def _prepare(self, req: pb.PrefillRequest) -> _Prepared:
+    async def _prepare(self, req: pb.PrefillRequest) -> Prepared:
         t0 = time.monotonic()
-        field = _input_field(req)
+        field = input_field(req)
         self.service.check_model(req.model or None)
         if req.transfer_mode not in (pb.TRANSFER_MODE_UNSPECIFIED, self.mode):
             name = pb.TransferMode.Name(req.transfer_mode) if req.transfer_mode in pb.TransferMode.values() \
@@ -220,7 +168,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             check_request_id(req.request_id)
         if req.HasField("add_special_tokens") and field != "text":
             raise InvalidRequest("only applies to text input", field="add_special_tokens")
-        sampling = _sampling(req.sampling)
+        sampling = sampling_params(req.sampling)
         t1 = time.monotonic()
         try:
             # through the service: --tokenizer-parity applies (the decode's /tokenize, the vocabulary check)
@@ -229,14 +177,22 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             elif field == "text":
                 add = req.add_special_tokens if req.HasField("add_special_tokens") else True
                 ids = await self.service.encode_prompt_async(req.text, add_special_tokens=add)
+            elif field == "chat_json":
+                messages, body = chat_request(req.chat_json)
+                try:
+                    ids = await self.service.encode_chat_async(messages, request=body)
+                except InvalidRequest as e:  # (the template's and renderer's field names are the body's)
+                    if e.field and not e.field.startswith(("prompt", "chat_json")):
+                        e.field = f"chat_json.{e.field}"
+                    raise
             else:
-                ids = await self.service.encode_chat_async(_chat_messages(req))
+                ids = await self.service.encode_chat_async(chat_messages(req))
         except PrefillError as e:
             raise _renamed(e, field) from None
-        return _Prepared(req.request_id or f"grpc-{uuid.uuid4().hex}", field, ids, sampling,
+        return Prepared(req.request_id or f"grpc-{uuid.uuid4().hex}", field, ids, sampling,
                          time.monotonic() - t1 if field != "token_ids" else 0.0, t0)
 
-    async def _prefill(self, p: _Prepared, context: grpc.aio.ServicerContext) -> PrefillResult:
+    async def _prefill(self, p: Prepared, context: grpc.aio.ServicerContext) -> PrefillResult:
         try:
             result = await self.service.prefill(p.token_ids, p.sampling, p.request_id)
         except PrefillError as e:
@@ -251,7 +207,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         context.add_done_callback(on_done)
         return result
 
-    def _response(self, p: _Prepared, r: PrefillResult, return_ids: bool) -> pb.PrefillResponse:
+    def _response(self, p: Prepared, r: PrefillResult, return_ids: bool) -> pb.PrefillResponse:
         try:
             text = self.service.tokenizer.decode([r.first_token_id])
         except Exception:  # an id beyond the tokenizer's vocabulary (padded lm_head)

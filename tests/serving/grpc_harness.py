@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -36,7 +37,11 @@ class ByteTokenizer:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
     def apply_chat_template(self, messages, add_generation_prompt=True, **kwargs) -> str:
-        return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
+        """Tools and tool calls (their arguments as the objects vLLM hands templates) rendered too."""
+        tools = "".join(f"<tools>{t['function']['name']}\n" for t in kwargs.get("tools") or ())
+        calls = lambda m: "".join(f"[{c['function']['name']}{json.dumps(c['function']['arguments'])}]"  # noqa: E731
+                                  for c in m.get("tool_calls") or ())
+        return tools + "".join(f"<{m['role']}>{m.get('content') or ''}{calls(m)}\n" for m in messages) + "<assistant>"
 
 
 class TinyLM(nn.Module):

@@ -82,6 +82,13 @@ def test_text_chat_and_chunked_prompts(h, client):
     r = client.prefill(messages=[{"role": x, "content": "a"} for x in roles], return_prompt_token_ids=True)
     assert bytes(r.prompt_token_ids).decode() == "<ipython>a\n<function>a\n<USER>a\n<>a\n<assistant>"
     client.release(r.request_id)
+    chat = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "2"}],
+        "tools": [{"type": "function", "function": {"name": "f"}}], "add_generation_prompt": True}
+    r = client.prefill(chat=chat, return_prompt_token_ids=True)  # as HTTP renders it: arguments as objects
+    assert bytes(r.prompt_token_ids).decode() == '<tools>f\n<user>Hi\n<assistant>[f{"x": 1}]\n<tool>2\n<assistant>'
+    client.release(r.request_id)
     long = [(7 * i) % 256 for i in range(180)]  # 3 chunks of the 64-token budget, 23 of 24 blocks
     r = client.prefill(long, request_id="my.long-request_1")
     assert r.request_id == "my.long-request_1"
@@ -138,6 +145,17 @@ BAD = [
     ("both text and tokens", _req(token_ids=[1, 2], text="x"), "input", "token_ids and text"),
     ("tokens and messages", _req(token_ids=[1], messages=[pb.ChatMessage(role="user", content="x")]), "input",
      "token_ids and messages"),
+    ("messages and chat_json", _req(messages=[pb.ChatMessage(role="user", content="x")], chat_json="{}"), "input",
+     "messages and chat_json"),
+    ("chat_json not JSON", _req(chat_json="{messages"), "chat_json", "JSON object"),
+    ("chat_json not an object", _req(chat_json="[1]"), "chat_json", "JSON object"),
+    ("chat_json without messages", _req(chat_json='{"tools": []}'), "chat_json.messages", "messages"),
+    ("chat_json tool call vLLM refuses", _req(chat_json=json.dumps({"messages": [{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]}]})),
+     "chat_json.messages.0.tool_calls.0", "arguments"),
+    ("chat_json with its own template", _req(chat_json='{"messages": [{"role": "user", "content": "x"}], '
+                                                       '"chat_template": "{{ 1 }}"}'), "chat_json.chat_template",
+     "chat_template"),
     ("unknown model", _req(text="x", model="gpt-5"), "model", "not served here"),
     ("longer than the context", _req(token_ids=[1] * 300), "token_ids", "context"),
     ("longer than the pool", _req(token_ids=[1] * 200), "token_ids", "shorter prompt"),

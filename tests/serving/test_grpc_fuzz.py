@@ -1,5 +1,7 @@
 """Random protobuf messages (and random bytes) at every method: the server answers each with OK or a
 deliberate status (never UNKNOWN or INTERNAL), keeps serving, and the pool drains to zero blocks."""
+import json
+
 import grpc
 import pytest
 from grpc_harness import GrpcHarness
@@ -35,6 +37,18 @@ messages = st.lists(st.builds(pb.ChatMessage, role=ROLES | ROLES | ROLES | st.te
                               content=st.text(max_size=40)), min_size=1, max_size=4)
 
 
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | FLOATS | st.text(max_size=10),
+                    lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=8), kids, max_size=3),
+                    max_leaves=8)
+chat_json = st.one_of(  # a chat body (messages with tool calls, tools, template fields), any JSON, or not JSON
+    st.fixed_dictionaries({"messages": st.lists(st.fixed_dictionaries(
+        {"role": ROLES | st.text(max_size=6), "content": st.none() | st.text(max_size=30)},
+        optional={"tool_calls": JSON, "tool_call_id": JSON, "name": JSON, "reasoning_content": JSON}), max_size=3)},
+        optional={"tools": JSON, "chat_template_kwargs": JSON, "add_generation_prompt": JSON,
+                  "continue_final_message": JSON, "documents": JSON}).map(json.dumps),
+    JSON.map(json.dumps), st.text(max_size=30))
+
+
 def sometimes(draw, valid, invalid, one_in=5):
     """A valid value mostly, so that most examples get past the first check and reach the engine
     (the middle value, because hypothesis favours the bounds)."""
@@ -49,13 +63,15 @@ def prefill_requests(draw) -> pb.PrefillRequest:
         request_id=sometimes(draw, st.just("") | st.from_regex(r"[A-Za-z0-9._-]{1,20}", fullmatch=True),
                              st.text(max_size=140)),
         return_prompt_token_ids=draw(st.booleans()))
-    for kind in sometimes(draw, st.sampled_from([("token_ids",), ("text",), ("messages",)]),
+    for kind in sometimes(draw, st.sampled_from([("token_ids",), ("text",), ("messages",), ("chat_json",)]),
                           st.sampled_from([(), ("token_ids", "text"), ("text", "messages"),
-                                           ("token_ids", "messages")]), one_in=8):
+                                           ("token_ids", "messages"), ("messages", "chat_json")]), one_in=8):
         if kind == "token_ids":
             req.token_ids.extend(draw(token_ids))
         elif kind == "text":
             req.text = draw(st.text(min_size=1, max_size=60))
+        elif kind == "chat_json":
+            req.chat_json = draw(chat_json)
         else:
             req.messages.extend(draw(messages))
     if draw(st.booleans()):

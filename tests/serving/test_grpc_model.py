@@ -37,6 +37,27 @@ def test_text_and_chat_match_the_http_gateway(grpc_client, local_service):
     assert b["usage"]["prompt_tokens"] == c.prompt_tokens
 
 
+def test_a_tool_use_chat_as_chat_json_is_the_prompt_http_renders(grpc_client, local_service):
+    """chat_json: an OpenAI chat body with tools, an assistant's tool call, its reasoning and a
+    tool's answer prefills the prompt POST /v1/chat/completions renders for the same body."""
+    body = {"messages": [
+        {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "reasoning_content": "Look it up.", "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+        {"role": "ipython", "content": "noted"}],
+        "tools": [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}],
+        "chat_template_kwargs": {"enable_thinking": False}}
+    r = grpc_client.prefill(chat=body, return_prompt_token_ids=True)
+    grpc_client.release(r.request_id)
+    with TestClient(create_app(local_service, None)) as http:
+        a = http.post("/v1/chat/completions", json={**body, "temperature": 0, "max_tokens": 1}).json()
+    assert a["usage"]["prompt_tokens"] == r.prompt_tokens == len(r.prompt_token_ids)
+    assert a["choices"][0]["message"]["content"] == r.first_token_text
+
+
 def test_server_info_describes_the_model(grpc_client, local_service):
     info = grpc_client.server_info()
     i = local_service.info
