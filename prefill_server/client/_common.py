@@ -59,10 +59,10 @@ class PrefillEvent:
 
 
 def build_request(prompt: str | Sequence[int] | None = None, *, messages: Sequence[dict] | None = None,
-                  chat: dict | None = None, model: str | None = None, temperature: float | None = None, top_p: float | None = None,
-                  top_k: int | None = None, seed: int | None = None, request_id: str | None = None,
-                  return_prompt_token_ids: bool = False, add_special_tokens: bool | None = None,
-                  transfer_mode: str | None = None) -> pb.PrefillRequest:
+                  chat: dict | None = None, model: str | None = None, temperature: float | None = None,
+                  top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
+                  request_id: str | None = None, return_prompt_token_ids: bool = False,
+                  add_special_tokens: bool | None = None, transfer_mode: str | None = None) -> pb.PrefillRequest:
     """prompt: text or token ids; or messages: [{"role": ..., "content": ...}, ...]; or chat: an
     OpenAI chat request body (messages with tool calls or reasoning, tools, chat_template_kwargs...),
     rendered as the HTTP chat endpoint renders it. The server validates everything (and names the

@@ -49,10 +49,9 @@ class PrefillClient:
 
     def prefill(self, prompt: str | Sequence[int] | None = None, *, timeout: float | None = None,
                 **kwargs) -> PrefillResult:
-        """prompt: text or token ids, or ``messages=[{"role", "content"}, ...]``, or ``chat=`` an OpenAI chat
-        request body; other keywords: see
-        ``build_request`` (model, temperature, top_p, top_k, seed, request_id, return_prompt_token_ids,
-        add_special_tokens, transfer_mode)."""
+        """prompt: text or token ids, or ``messages=[{"role", "content"}, ...]``, or ``chat=`` an OpenAI
+        chat request body; other keywords: see ``build_request`` (model, temperature, top_p, top_k,
+        seed, request_id, return_prompt_token_ids, add_special_tokens, transfer_mode)."""
         return to_result(self._call(self.stub.Prefill, build_request(prompt, **kwargs), timeout))
 
     def prefill_stream(self, prompt: str | Sequence[int] | None = None, *, timeout: float | None = None,
