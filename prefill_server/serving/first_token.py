@@ -28,6 +28,7 @@ from typing import Any
 
 from prefill_server.engine.worker import MAX_LOGPROBS, SAMPLING_EPS
 from prefill_server.serving.openai_schema import usage_asked
+from prefill_server.serving.relay import sse
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stream",
            "stream_options", "n", "user", "ignore_eos", "skip_special_tokens",
@@ -228,7 +229,7 @@ class StreamState:
         obj = "chat.completion.chunk" if self.ft.plan.kind == "chat" else "text_completion"
         ev = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
               "choices": choices, **extra}
-        return b"data: " + json.dumps(ev, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+        return sse(ev)
 
     def _choice(self, text: str, tokens: tuple, finish_reason: str | None, stop_reason) -> dict:
         """One choice as vLLM 0.32's stream generators write it: a chat chunk names stop_reason on
@@ -277,9 +278,9 @@ class StreamState:
             try:
                 ev = json.loads(data)
             except ValueError:  # [DONE], or anything else that is not an event to rewrite
-                return b"data: " + data.encode() + b"\n\n"
+                ev = None
         if not isinstance(ev, dict) or "error" in ev:
-            return b"data: " + json.dumps(ev).encode() + b"\n\n"
+            return sse(data)  # (as it came)
         extra = {}
         if ev.get("usage") is not None:
             extra["usage"] = _usage(ev["usage"], self.ft.cached_tokens)

@@ -59,17 +59,19 @@ def input_field(req: pb.PrefillRequest) -> str:
 
 def chat_request(text: str) -> tuple[list[dict], dict]:
     """``chat_json`` -> (messages for the template, the body whose rendering fields apply), checked
-    by the HTTP chat endpoint's rules; errors name ``chat_json.<field>``."""
+    by the HTTP chat endpoint's rules (its errors name the body's fields: see ``in_chat_json``)."""
     try:
         raw = json.loads(text)
     except ValueError as e:
         raise InvalidRequest(f"not valid JSON ({e}): send an OpenAI chat request body as a JSON object",
-                             field="chat_json") from None
-    try:
-        return schema.chat_messages(schema.parse(schema.ChatBody, raw)), raw
-    except InvalidRequest as e:
-        e.field = "chat_json" + (f".{e.field}" if e.field and e.field != "body" else "")
-        raise
+                             field="body") from None
+    return schema.chat_messages(schema.parse(schema.ChatBody, raw)), raw
+
+
+def in_chat_json(e: InvalidRequest) -> InvalidRequest:
+    """A chat body's error (its parsing, rendering or length check) named as a ``chat_json`` field."""
+    e.field = "chat_json" if e.field in (None, "", "body", "prompt") else f"chat_json.{e.field}"
+    return e
 
 
 def chat_messages(req: pb.PrefillRequest) -> list[dict]:

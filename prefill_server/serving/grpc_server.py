@@ -40,7 +40,8 @@ from kv_transfer.base import check_request_id
 from prefill_server.engine.worker import PrefillResult
 from prefill_server.errors import InvalidRequest, PrefillError, PromptTooLong
 from prefill_server.serving.auth import ApiKeys
-from prefill_server.serving.grpc_inputs import Prepared, chat_messages, chat_request, input_field, sampling_params
+from prefill_server.serving.grpc_inputs import (Prepared, chat_messages, chat_request, in_chat_json, input_field,
+                                                sampling_params)
 from prefill_server.serving.pb import prefill_pb2 as pb
 from prefill_server.serving.pb import prefill_pb2_grpc as pb_grpc
 from prefill_server.serving.service import PrefillService
@@ -178,13 +179,11 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 add = req.add_special_tokens if req.HasField("add_special_tokens") else True
                 ids = await self.service.encode_prompt_async(req.text, add_special_tokens=add)
             elif field == "chat_json":
-                messages, body = chat_request(req.chat_json)
                 try:
+                    messages, body = chat_request(req.chat_json)
                     ids = await self.service.encode_chat_async(messages, request=body)
-                except InvalidRequest as e:  # (the template's and renderer's field names are the body's)
-                    if e.field and not e.field.startswith(("prompt", "chat_json")):
-                        e.field = f"chat_json.{e.field}"
-                    raise
+                except InvalidRequest as e:
+                    raise in_chat_json(e) from None
             else:
                 ids = await self.service.encode_chat_async(chat_messages(req))
         except PrefillError as e:

@@ -41,9 +41,16 @@ def decode_outcome(status: int) -> str:
     return "DecodeRejected" if status < 500 else "DecodeFailed"
 
 
+def sse(item: str | dict) -> bytes:
+    """An event for the client: a decode's payload as it came, or an event written here, compactly
+    (as vLLM writes its own)."""
+    if isinstance(item, dict):
+        item = json.dumps(item, separators=(",", ":"), ensure_ascii=False)
+    return f"data: {item}\n\n".encode()
+
+
 def error_event(message: str, etype: str, code: int) -> bytes:
-    ev = {"error": {"message": message, "type": etype, "param": None, "code": code}}
-    return b"data: " + json.dumps(ev).encode() + b"\n\n"
+    return sse({"error": {"message": message, "type": etype, "param": None, "code": code}})
 
 
 async def data_lines(resp, deadline: float) -> AsyncIterator[str]:

@@ -31,7 +31,7 @@ import httpx
 from prefill_server.errors import PromptMismatch
 from prefill_server.serving.first_token import with_cached_tokens
 from prefill_server.serving.openai_schema import usage_asked
-from prefill_server.serving.relay import check_prompt_tokens, data_lines, error_event, renamer
+from prefill_server.serving.relay import check_prompt_tokens, data_lines, error_event, renamer, sse
 
 if TYPE_CHECKING:
     from prefill_server.serving.gateway import Gateway, _Call
@@ -108,13 +108,6 @@ class StreamUsage:
         """The chunks held (a stream that ends without the usage chunk: they go without the fingerprint)."""
         held, self._held = self._held, []
         return held
-
-
-def sse(item: str | dict) -> bytes:
-    """An event for the client: a decode's payload as it came, or an edited event written compactly."""
-    if isinstance(item, dict):
-        item = json.dumps(item, separators=(",", ":"), ensure_ascii=False)
-    return f"data: {item}\n\n".encode()
 
 
 async def relay(gw: Gateway, resp: httpx.Response, c: _Call) -> AsyncIterator[bytes]:
