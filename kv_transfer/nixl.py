@@ -36,13 +36,30 @@ class NixlError(RuntimeError):
     side reports it as a transfer failure.)"""
 
 
+_BACKENDS = ("nixl_cu13", "nixl_cu12")  # NIXL's builds, as its ``nixl`` meta package picks without CUDA
+
+
 def import_nixl() -> Any:
-    """The ``nixl._api`` module, or a ``NixlError`` saying what to install."""
+    """The ``nixl._api`` module, or a ``NixlError`` saying what to install. Without the ``nixl`` meta
+    package (it requires every CUDA build, so it is not a dependency: ``pip install prefill-server``
+    brings ``nixl-cu12`` alone), the installed build's own ``_api``."""
+    import importlib
+
     try:
-        from nixl._api import nixl_agent, nixl_agent_config  # noqa: F401
-        import nixl._api as api
-    except ImportError as e:  # pragma: no cover - depends on the machine
-        raise NixlError(f"NIXL is not importable ({e}); install nixl-cu12==1.5.1 and nixl==1.5.1") from e
+        api = importlib.import_module("nixl._api")
+    except ImportError as e:
+        if e.name not in ("nixl", "nixl._api"):
+            raise NixlError(f"NIXL is not importable ({e}); install nixl-cu12==1.5.1") from e
+        for name in _BACKENDS:
+            try:
+                api = importlib.import_module(f"{name}._api")
+                break
+            except ModuleNotFoundError as e2:
+                if e2.name != name:
+                    raise NixlError(f"NIXL is not importable ({e2}); install nixl-cu12==1.5.1") from e2
+        else:
+            raise NixlError("NIXL is not importable (none of nixl, nixl_cu13, nixl_cu12); "
+                            "install nixl-cu12==1.5.1") from e
     _nixl_logs_to_stderr()
     return api
 
