@@ -180,8 +180,9 @@ OPTIONS: tuple[Option, ...] = (
          "requests are answered that way with a --decode-url too", repeats=True, metavar="URL"),
     _opt("--transfer-mode", "decode", "server.transfer_mode", "nixl-compat: act as a stock vLLM NixlConnector "
          "producer (decode pulls); connector: our own vLLM connector, kv_transfer.vllm.connector (streaming "
-         "push, authenticated; see vllm-config); local: no decode, answer with the first token and hold KV "
-         "under a lease", choices=TRANSFER_MODES),
+         "push, authenticated; see vllm-config); local: no decode, answer with the first token alone "
+         "(streamed or not, with its logprobs; what would change it is refused: docs/running.md)",
+         choices=TRANSFER_MODES),
     _opt("--decode-engine", "decode", "server.decode_engine", "what the decodes run. vllm: vLLM (--transfer-mode "
          "says how KV moves); sglang: SGLang 0.5.23 in PD decode mode (--disaggregation-mode decode "
          "--disaggregation-transfer-backend nixl): this server is their prefill, with SGLang's bootstrap server on "

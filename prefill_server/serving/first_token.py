@@ -186,18 +186,32 @@ class FirstToken:
     def merge(self, resp: dict) -> dict:
         """The decode's completion of prompt + [t1] -> the client's answer, t1 included."""
         choice = resp["choices"][0]
-        usage = _usage(resp.get("usage"), self.cached_tokens)
-        logprobs = None
+        tokens = None
         if self.plan.num_logprobs is not None:
             t, l, tops = self._first_lp()
             dt, dl, dtops = self._decode_lp(choice.get("logprobs"))
-            t, l, tops = t + dt, l + dl, tops + dtops
-            logprobs = (self._chat_lp(t, l, tops) if self.plan.kind == "chat"
-                        else self._completion_lp(t, l, tops, 0)[0])
-        text = self.text + (choice.get("text") or "")
-        finish = {"finish_reason": choice.get("finish_reason"), "stop_reason": choice.get("stop_reason")}
+            tokens = t + dt, l + dl, tops + dtops
         base = {"id": resp.get("id"), "created": resp.get("created"), "model": resp.get("model"),
-                "usage": usage, "system_fingerprint": resp.get("system_fingerprint"), **dict.fromkeys(_NULLS)}
+                "usage": _usage(resp.get("usage"), self.cached_tokens),
+                "system_fingerprint": resp.get("system_fingerprint")}
+        return self._answer(base, self.text + (choice.get("text") or ""), tokens,
+                            {"finish_reason": choice.get("finish_reason"), "stop_reason": choice.get("stop_reason")})
+
+    def alone(self, request_id: str, model: str, finish_reason: str, stop_reason) -> dict:
+        """The client's answer when t1 is all of it (a server without a decode)."""
+        n = self.num_prompt_tokens
+        usage = {"prompt_tokens": n, "total_tokens": n + 1, "completion_tokens": 1}
+        base = {"id": "cmpl-" + request_id, "created": int(time.time()), "model": model,
+                "usage": with_cached_tokens(usage, self.cached_tokens), "system_fingerprint": None}
+        tokens = self._first_lp() if self.plan.num_logprobs is not None else None
+        return self._answer(base, self.text, tokens, {"finish_reason": finish_reason, "stop_reason": stop_reason})
+
+    def _answer(self, base: dict, text: str, tokens: tuple | None, finish: dict) -> dict:
+        """A whole answer as vLLM 0.32 writes it (``tokens``: what the logprobs are of, or None)."""
+        logprobs = None
+        if tokens is not None:
+            logprobs = self._chat_lp(*tokens) if self.plan.kind == "chat" else self._completion_lp(*tokens, 0)[0]
+        base = {**base, **dict.fromkeys(_NULLS)}
         if self.plan.kind == "completion":
             return {**base, "object": "text_completion",
                     "choices": [{"index": 0, "text": text, "logprobs": logprobs, **finish,
@@ -249,8 +263,9 @@ class StreamState:
         return {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason, "stop_reason": stop_reason,
                 **dict.fromkeys(_STREAM_COMPLETION_CHOICE_NULLS)}
 
-    def first(self, model: str) -> bytes:
-        """The events sent before any of the decode's: (chat: the role) then t1."""
+    def first(self, model: str, finish_reason: str | None = None, stop_reason=None) -> bytes:
+        """The events sent before any of the decode's: (chat: the role) then t1 (``finish_reason``:
+        t1 ends the answer, a server without a decode)."""
         self.model = model
         ft, out = self.ft, b""
         if ft.plan.kind == "chat":
@@ -258,7 +273,13 @@ class StreamState:
                                  "finish_reason": None}], **self._running_usage(0),
                                **dict.fromkeys(_STREAM_CHAT_FIRST_NULLS))
         tokens = ft._first_lp() if ft.plan.num_logprobs is not None else None
-        return out + self._chunk([self._choice(ft.text, tokens, None, None)], **self._running_usage(1))
+        return out + self._chunk([self._choice(ft.text, tokens, finish_reason, stop_reason)], **self._running_usage(1))
+
+    def usage(self) -> bytes:
+        """The last event of an answer that t1 ends, when ``stream_options.include_usage`` asks."""
+        n = self.ft.num_prompt_tokens
+        u = {"prompt_tokens": n, "total_tokens": n + 1, "completion_tokens": 1}
+        return self._chunk([], usage=with_cached_tokens(u, self.ft.cached_tokens))
 
     def _running_usage(self, completion_tokens: int) -> dict:
         """``stream_options.continuous_usage_stats`` (with ``include_usage``): every chunk carries

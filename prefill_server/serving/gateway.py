@@ -26,6 +26,7 @@ from prefill_server.engine.worker import Route, SamplingParams
 from prefill_server.errors import (DecodeNotReached, DecodeUnavailable, InvalidRequest, PrefillError, PromptMismatch,
                                    PromptTooLong)
 from prefill_server.serving import first_token as ft
+from prefill_server.serving import local_answer
 from prefill_server.serving import openai_schema as schema
 from prefill_server.serving import prefill_instance as pi
 from prefill_server.serving import sglang_prefill as sp
@@ -317,9 +318,16 @@ class Gateway:
                                      "(as vllm-router, vLLM's proxy and llm-d do), or max_tokens=1 without "
                                      "streaming for the first token alone; or start it with --decode-url",
                                      field="kv_transfer_params")
-            result = await svc.prefill(token_ids, sampling)
+            who = ("a prefill instance asked for its first token alone (no kv_transfer_params)"
+                   if svc.backend.needs_decode else "a server without a decode (--transfer-mode local)")
+            p = local_answer.plan("chat" if path.endswith("chat/completions") else "completion", out, who)
+            result = await svc.prefill(token_ids, sampling, num_logprobs=p.num_logprobs)
             svc.release(result.request_id)
-            return Answer(one_token_answer(svc, path.endswith("chat/completions"), result).body())
+            answer = local_answer.LocalAnswer(p, svc.tokenizer, svc.eos_token_ids, token_ids, result,
+                                              svc.info.served_name)
+            if not stream:
+                return Answer(answer.body())
+            return Stream(answer.events(lambda: outcome.record("ok")))
         if tag:
             log.info("request with X-Request-Id %s: %d prompt tokens", tag, len(token_ids))
         # the decode first: none up fails before computing anything, and a pull-mode KV is

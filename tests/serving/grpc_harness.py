@@ -36,6 +36,13 @@ class ByteTokenizer:
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
+    def continuation_text(self, context_ids, token_id: int, skip_special_tokens: bool = True) -> str | None:
+        before, after = self.decode(context_ids[-6:]), self.decode([*context_ids[-6:], token_id])
+        return after[len(before):] if after.startswith(before) and "\ufffd" not in after[len(before):] else None
+
+    def token_string(self, token_id: int) -> str:
+        return self.decode([token_id])
+
     def apply_chat_template(self, messages, add_generation_prompt=True, **kwargs) -> str:
         """Tools and tool calls (their arguments as the objects vLLM hands templates) rendered too."""
         tools = "".join(f"<tools>{t['function']['name']}\n" for t in kwargs.get("tools") or ())

@@ -1,0 +1,100 @@
+"""The answer of a server without a decode (``--transfer-mode local``, or a prefill instance asked
+for its first token without a router's ``kv_transfer_params``): that first token alone, drawn here,
+as vLLM 0.32 answers a request that ends after one token.
+
+The engine draws the token with temperature, top_p, top_k and seed and gives its logprobs; the answer
+applies what vLLM's output processing applies to one token: the end-of-sequence token (unless
+``ignore_eos``), ``stop_token_ids``, ``stop`` strings (``include_stop_str_in_output``) and
+``skip_special_tokens``; ``stream`` gets server-sent events. A field that would have changed which
+token is drawn (a reshaped or masked distribution, structured output) or added to the answer (echo,
+prompt logprobs) is refused, naming it, rather than answered as if it were absent.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+
+from prefill_server.engine.worker import MAX_LOGPROBS, PrefillResult
+from prefill_server.errors import InvalidRequest
+from prefill_server.serving import first_token as ft
+from prefill_server.serving.openai_schema import usage_asked
+from prefill_server.serving.relay import sse
+
+# field -> its values that mean "off" (null always does). Presence and frequency penalties count
+# output tokens only, so they leave the first token as it is; the repetition penalty counts the prompt.
+_OFF: dict[str, tuple] = {
+    "min_p": (0.0,), "repetition_penalty": (1.0,), "min_tokens": (0,), "logit_bias": ({},),
+    "allowed_token_ids": (), "bad_words": ([],), "logits_processors": ([],), "structured_outputs": (),
+    "use_beam_search": (False,), "echo": (False,), "prompt_logprobs": (),
+}
+
+
+def plan(kind: str, body: dict, who: str) -> ft.Plan:
+    """What the answer will show, for a validated body of ``kind`` ("completion" | "chat"); a
+    field it cannot honour is refused. ``who``: what this server is, for the refusal's message."""
+    g = body.get
+    for key, off in _OFF.items():
+        if g(key) is not None and g(key) not in off:
+            effect = "adds to the answer" if key in ("echo", "prompt_logprobs") else "changes which token is drawn"
+            _refuse(key, effect, who, f"drop it (or set it to {' or '.join(json.dumps(o) for o in off) or 'null'})")
+    fmt = g("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
+        _refuse("response_format", f"{json.dumps(fmt.get('type'))[:40]} constrains the answer", who, "drop it")
+    choice = g("tool_choice")
+    if choice == "required" or isinstance(choice, dict):
+        _refuse("tool_choice", f"{json.dumps(choice)[:60]} constrains the answer to a tool call", who,
+                "use \"auto\" or \"none\"")
+    if kind == "chat":
+        k, field = ((g("top_logprobs") or 0), "top_logprobs") if g("logprobs") is True else (None, "logprobs")
+    else:
+        k, field = g("logprobs"), "logprobs"
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise InvalidRequest(f"'{field}' is {k}: at most {MAX_LOGPROBS} logprobs per token are returned (vLLM's "
+                             "default --max-logprobs)", field=field)
+    return ft.Plan(kind, body, None, k, g("return_tokens_as_token_ids") is True)
+
+
+def _refuse(field: str, effect: str, who: str, fix: str) -> None:
+    raise InvalidRequest(f"'{field}' {effect}, which {who} does not apply (it answers with the first token alone, "
+                         f"drawn with temperature, top_p, top_k and seed): {fix}, or give the server a decode "
+                         "(--decode-url)", field=field)
+
+
+class LocalAnswer:
+    """The first token, drawn for ``plan`` after ``prompt_ids``, as the client's answer."""
+
+    def __init__(self, p: ft.Plan, tokenizer, eos_ids, prompt_ids: list[int], result: PrefillResult,
+                 model: str):
+        b, t = p.body, result.first_token_id
+        self.request_id, self.model = result.request_id, model
+        text = tokenizer.continuation_text(prompt_ids, t, b.get("skip_special_tokens") is not False) or ""
+        keep_stop = b.get("include_stop_str_in_output") is True
+        self.finish_reason, self.stop_reason = "length", None
+        if t in eos_ids and b.get("ignore_eos") is not True:  # (vLLM: the stop token's text is not shown)
+            self.finish_reason, text = "stop", text if keep_stop else ""
+        elif t in (b.get("stop_token_ids") or ()):
+            self.finish_reason, self.stop_reason, text = "stop", t, text if keep_stop else ""
+        else:
+            stops = [b["stop"]] if isinstance(b.get("stop"), str) else b.get("stop") or []
+            for s in stops:  # (in the order given, as vLLM's check_stop_strings)
+                if (i := text.find(s)) >= 0:
+                    self.finish_reason, self.stop_reason = "stop", s
+                    text = text[:i + len(s)] if keep_stop else text[:i]
+                    break
+        self.first = ft.FirstToken(p, t, text, result.first_logprobs, len(prompt_ids), tokenizer,
+                                   result.num_cached_tokens)
+
+    def body(self) -> dict:
+        return self.first.alone(self.request_id, self.model, self.finish_reason, self.stop_reason)
+
+    async def events(self, on_end: Callable[[], None]) -> AsyncIterator[bytes]:
+        """The streamed answer: (chat: the role) and the token with its finish, the usage where
+        ``stream_options`` asks for it, then ``[DONE]``."""
+        try:
+            state = self.first.stream_start()
+            yield state.first(self.model, self.finish_reason, self.stop_reason)
+            if (usage_asked(self.first.plan.body.get("stream_options")) or (False, False))[0]:
+                yield state.usage()
+            yield sse("[DONE]")
+        finally:
+            on_end()
