@@ -255,7 +255,7 @@ class Gateway:
         result = await svc.prefill(token_ids, sampling)
         rid = result.request_id
         try:
-            answer = one_token_answer(svc, chat, result,
+            answer = one_token_answer(svc, chat, result, token_ids,
                                       svc.params_for_prompt(result.kv_transfer_params, len(token_ids)))
         except BaseException:
             svc.release(rid)
@@ -297,7 +297,7 @@ class Gateway:
             if not stream:
                 return Answer(body)
             return Stream(pi.events([body], lambda sent: outcome.record("ok")))
-        answer = one_token_answer(svc, bool(chat), result)
+        answer = one_token_answer(svc, bool(chat), result, token_ids)
         if not stream:
             return Answer(answer.body())
         include_usage = bool((raw.get("stream_options") or {}).get("include_usage"))

@@ -207,8 +207,10 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         return result
 
     def _response(self, p: Prepared, r: PrefillResult, return_ids: bool) -> pb.PrefillResponse:
-        try:
-            text = self.service.tokenizer.decode([r.first_token_id])
+        tok = self.service.tokenizer
+        try:  # the text the token adds after the prompt (a SentencePiece word's leading space included)
+            text = tok.continuation_text(p.token_ids, r.first_token_id, False)
+            text = tok.decode([r.first_token_id]) if text is None else text  # (part of a character)
         except Exception:  # an id beyond the tokenizer's vocabulary (padded lm_head)
             text = ""
         t = r.timings

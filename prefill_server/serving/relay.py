@@ -150,10 +150,10 @@ def check_prompt_tokens(body, n: int, rid: str) -> None:
                              "request at the decode")
 
 
-def one_token_answer(service: PrefillService, chat: bool, r: PrefillResult,
+def one_token_answer(service: PrefillService, chat: bool, r: PrefillResult, prompt_ids: list[int],
                       kv_transfer_params: dict | None = None) -> pi.PrefillAnswer:
     """The answer of a prefill alone: its first token (with kv_transfer_params for a PD router)."""
     eos = r.first_token_id in service.eos_token_ids
-    return pi.PrefillAnswer(chat, r.request_id, service.info.served_name,
-                            "" if eos else service.tokenizer.decode([r.first_token_id]), "stop" if eos else "length",
+    text = "" if eos else service.tokenizer.continuation_text(prompt_ids, r.first_token_id) or ""
+    return pi.PrefillAnswer(chat, r.request_id, service.info.served_name, text, "stop" if eos else "length",
                             r.num_prompt_tokens, r.num_cached_tokens, kv_transfer_params)
