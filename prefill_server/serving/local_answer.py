@@ -44,6 +44,10 @@ def plan(kind: str, body: dict, who: str) -> ft.Plan:
     if choice == "required" or isinstance(choice, dict):
         _refuse("tool_choice", f"{json.dumps(choice)[:60]} constrains the answer to a tool call", who,
                 "use \"auto\" or \"none\"")
+    ids = g("stop_token_ids")
+    if ids is not None and not (isinstance(ids, list) and all(type(i) is int for i in ids)):
+        raise InvalidRequest(f"'stop_token_ids' must be a list of token ids (integers), not {json.dumps(ids)[:40]}",
+                             field="stop_token_ids")
     if kind == "chat":
         k, field = ((g("top_logprobs") or 0), "top_logprobs") if g("logprobs") is True else (None, "logprobs")
     else:

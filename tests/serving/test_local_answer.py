@@ -158,6 +158,9 @@ def test_the_end_token_ends_the_answer_unless_ignore_eos(local_service):
     ("completion", {"structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs"),
     ("completion", {"logprobs": 21}, "logprobs"),
     ("completion", {"logprobs": -1}, "logprobs"),
+    ("completion", {"stop_token_ids": 5}, "stop_token_ids"),
+    ("completion", {"stop_token_ids": "x"}, "stop_token_ids"),
+    ("chat", {"stop_token_ids": [1, "2"]}, "stop_token_ids"),
     ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
     ("chat", {"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
     ("chat", {"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
@@ -166,7 +169,7 @@ def test_the_end_token_ends_the_answer_unless_ignore_eos(local_service):
 def test_what_the_answer_cannot_apply_is_refused_naming_it(client, kind, fields, param):
     status, a = _ask(client, kind, **fields)
     assert status == 400 and a["error"]["param"] == param, a
-    assert "--decode-url" in a["error"]["message"] or param in ("logprobs", "top_logprobs")
+    assert "--decode-url" in a["error"]["message"] or param in ("logprobs", "top_logprobs", "stop_token_ids")
 
 
 @pytest.mark.parametrize("kind,fields", [
