@@ -199,12 +199,16 @@ class FirstToken:
 
     def alone(self, request_id: str, model: str, finish_reason: str, stop_reason) -> dict:
         """The client's answer when t1 is all of it (a server without a decode)."""
-        n = self.num_prompt_tokens
-        usage = {"prompt_tokens": n, "total_tokens": n + 1, "completion_tokens": 1}
         base = {"id": "cmpl-" + request_id, "created": int(time.time()), "model": model,
-                "usage": with_cached_tokens(usage, self.cached_tokens), "system_fingerprint": None}
+                "usage": self.alone_usage(), "system_fingerprint": None}
         tokens = self._first_lp() if self.plan.num_logprobs is not None else None
         return self._answer(base, self.text, tokens, {"finish_reason": finish_reason, "stop_reason": stop_reason})
+
+    def alone_usage(self) -> dict:
+        """The usage of an answer that t1 is all of, as vLLM counts it."""
+        n = self.num_prompt_tokens
+        return with_cached_tokens({"prompt_tokens": n, "total_tokens": n + 1, "completion_tokens": 1},
+                                  self.cached_tokens)
 
     def _answer(self, base: dict, text: str, tokens: tuple | None, finish: dict) -> dict:
         """A whole answer as vLLM 0.32 writes it (``tokens``: what the logprobs are of, or None)."""
@@ -277,9 +281,7 @@ class StreamState:
 
     def usage(self) -> bytes:
         """The last event of an answer that t1 ends, when ``stream_options.include_usage`` asks."""
-        n = self.ft.num_prompt_tokens
-        u = {"prompt_tokens": n, "total_tokens": n + 1, "completion_tokens": 1}
-        return self._chunk([], usage=with_cached_tokens(u, self.ft.cached_tokens))
+        return self._chunk([], usage=self.ft.alone_usage())
 
     def _running_usage(self, completion_tokens: int) -> dict:
         """``stream_options.continuous_usage_stats`` (with ``include_usage``): every chunk carries

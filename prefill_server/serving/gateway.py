@@ -318,8 +318,8 @@ class Gateway:
                                      "(as vllm-router, vLLM's proxy and llm-d do), or max_tokens=1 without "
                                      "streaming for the first token alone; or start it with --decode-url",
                                      field="kv_transfer_params")
-            who = ("a prefill instance asked for its first token alone (no kv_transfer_params)"
-                   if svc.backend.needs_decode else "a server without a decode (--transfer-mode local)")
+            who = ("a prefill instance asked for its first token alone (--decode-url gives it a decode)"
+                   if svc.backend.needs_decode else "a server without a decode (--decode-url gives it one)")
             p = local_answer.plan("chat" if path.endswith("chat/completions") else "completion", out, who)
             result = await svc.prefill(token_ids, sampling, num_logprobs=p.num_logprobs)
             svc.release(result.request_id)

@@ -189,7 +189,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         except PrefillError as e:
             raise _renamed(e, field) from None
         return Prepared(req.request_id or f"grpc-{uuid.uuid4().hex}", field, ids, sampling,
-                         time.monotonic() - t1 if field != "token_ids" else 0.0, t0)
+                        time.monotonic() - t1 if field != "token_ids" else 0.0, t0)
 
     async def _prefill(self, p: Prepared, context: grpc.aio.ServicerContext) -> PrefillResult:
         try:

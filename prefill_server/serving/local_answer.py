@@ -16,34 +16,24 @@ from collections.abc import AsyncIterator, Callable
 
 from prefill_server.engine.worker import MAX_LOGPROBS, PrefillResult
 from prefill_server.errors import InvalidRequest
+from prefill_server.serving import first_draw
 from prefill_server.serving import first_token as ft
 from prefill_server.serving.openai_schema import usage_asked
 from prefill_server.serving.relay import sse
 
-# field -> its values that mean "off" (null always does). Presence and frequency penalties count
-# output tokens only, so they leave the first token as it is; the repetition penalty counts the prompt.
-_OFF: dict[str, tuple] = {
-    "min_p": (0.0,), "repetition_penalty": (1.0,), "min_tokens": (0,), "logit_bias": ({},),
-    "allowed_token_ids": (), "bad_words": ([],), "logits_processors": ([],), "structured_outputs": (),
-    "use_beam_search": (False,), "echo": (False,), "prompt_logprobs": (),
-}
+# what a one-token answer would have added to (field -> the value that means "off")
+_ADDS = {"echo": False, "prompt_logprobs": None}
 
 
 def plan(kind: str, body: dict, who: str) -> ft.Plan:
     """What the answer will show, for a validated body of ``kind`` ("completion" | "chat"); a
     field it cannot honour is refused. ``who``: what this server is, for the refusal's message."""
     g = body.get
-    for key, off in _OFF.items():
-        if g(key) is not None and g(key) not in off:
-            effect = "adds to the answer" if key in ("echo", "prompt_logprobs") else "changes which token is drawn"
-            _refuse(key, effect, who, f"drop it (or set it to {' or '.join(json.dumps(o) for o in off) or 'null'})")
-    fmt = g("response_format")
-    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
-        _refuse("response_format", f"{json.dumps(fmt.get('type'))[:40]} constrains the answer", who, "drop it")
-    choice = g("tool_choice")
-    if choice == "required" or isinstance(choice, dict):
-        _refuse("tool_choice", f"{json.dumps(choice)[:60]} constrains the answer to a tool call", who,
-                "use \"auto\" or \"none\"")
+    first_draw.check(body, who)
+    for key, off in _ADDS.items():
+        if g(key) is not None and g(key) != off:
+            raise InvalidRequest(f"'{key}' adds to the answer, which {who} gives as the first token alone: drop it "
+                                 f"(or leave it at {json.dumps(off)})", field=key)
     ids = g("stop_token_ids")
     if ids is not None and not (isinstance(ids, list) and all(type(i) is int for i in ids)):
         raise InvalidRequest(f"'stop_token_ids' must be a list of token ids (integers), not {json.dumps(ids)[:40]}",
@@ -56,12 +46,6 @@ def plan(kind: str, body: dict, who: str) -> ft.Plan:
         raise InvalidRequest(f"'{field}' is {k}: at most {MAX_LOGPROBS} logprobs per token are returned (vLLM's "
                              "default --max-logprobs)", field=field)
     return ft.Plan(kind, body, None, k, g("return_tokens_as_token_ids") is True)
-
-
-def _refuse(field: str, effect: str, who: str, fix: str) -> None:
-    raise InvalidRequest(f"'{field}' {effect}, which {who} does not apply (it answers with the first token alone, "
-                         f"drawn with temperature, top_p, top_k and seed): {fix}, or give the server a decode "
-                         "(--decode-url)", field=field)
 
 
 class LocalAnswer:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from prefill_server.engine.worker import SamplingParams
 from prefill_server.errors import InvalidRequest
+from prefill_server.serving import first_draw
 
 MAX_ROOM = 2**63 - 1  # rooms are SGLang's 63-bit ints; 0 never completes on its decode
 TOP_K_ALL = 1 << 30  # SGLang's "top_k off"
@@ -70,28 +71,14 @@ def rooms_in(raw: object) -> list[int]:
     return [r for r in rooms if isinstance(r, int) and not isinstance(r, bool) and 1 <= r <= MAX_ROOM]
 
 
-# sampling fields that change which first token is drawn, which this prefill does not apply; with
-# an SGLang decode the first token is always ours, so a request asking for them is refused instead
-# of answered from a differently drawn token: field -> the value that means "off"
-_UNSUPPORTED_SAMPLING = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-                         "logit_bias": None, "min_tokens": 0, "min_new_tokens": 0, "json_schema": None, "regex": None,
-                         "ebnf": None, "structural_tag": None, "custom_logit_processor": None}
+# with an SGLang decode the first token is always ours: what our sampler does not apply is refused
+_WHO = "this prefill (with SGLang decodes the first token is its own)"
 
 
 def check_sampling(fields: dict, where: str = "") -> None:
     """Refuse the sampling fields our first token cannot honour (``fields``: an OpenAI body, or
     /generate's ``sampling_params``; ``where``: the latter's prefix for the field name)."""
-    for key, off in _UNSUPPORTED_SAMPLING.items():
-        v = fields.get(key)
-        if v is not None and v != off and v != {} and v != []:
-            raise InvalidRequest(f"'{where}{key}' changes how the first token is drawn, and with SGLang decodes the "
-                                 "first token is this prefill's, which does not apply it: drop it (or leave it at "
-                                 f"{json.dumps(off)})", field=f"{where}{key}")
-    fmt = fields.get("response_format")
-    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
-        raise InvalidRequest(f"'{where}response_format' {json.dumps(fmt.get('type'))} constrains the first token, "
-                             "which with SGLang decodes is this prefill's and unconstrained: drop it",
-                             field=f"{where}response_format")
+    first_draw.check(fields, _WHO, where)
 
 
 @dataclass(frozen=True)
