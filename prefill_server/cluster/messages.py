@@ -24,14 +24,17 @@ from prefill_server.errors import PrefillError, error_from
 def request_to_dict(r: PrefillRequest) -> dict[str, Any]:
     s = r.sampling
     return {"request_id": r.request_id, "prompt_token_ids": list(r.prompt_token_ids),
-            "sampling": {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "seed": s.seed},
+            "sampling": {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "seed": s.seed,
+                         "banned_token_ids": list(s.banned_token_ids)},
             "route": r.route.value, "num_logprobs": r.num_logprobs, "room_tokens": r.room_tokens,
             "decode_url": r.decode_url}
 
 
 def request_from_dict(d: dict[str, Any]) -> PrefillRequest:
+    s = dict(d["sampling"])
+    s["banned_token_ids"] = tuple(int(t) for t in s.get("banned_token_ids", ()))
     return PrefillRequest(str(d["request_id"]), tuple(int(t) for t in d["prompt_token_ids"]),
-                          SamplingParams(**d["sampling"]), route=Route(d["route"]), num_logprobs=d["num_logprobs"],
+                          SamplingParams(**s), route=Route(d["route"]), num_logprobs=d["num_logprobs"],
                           room_tokens=int(d["room_tokens"]), decode_url=d["decode_url"])
 
 

@@ -1,15 +1,26 @@
-"""First-token sampling (greedy, temperature, top-k, top-p) on one logits row."""
+"""First-token sampling (banned tokens, greedy, temperature, top-k, top-p) on one logits row."""
 from __future__ import annotations
 
 import torch
 
 from prefill_server.engine.types import SamplingParams
+from prefill_server.errors import InvalidRequest
 
 SAMPLING_EPS = 1e-5
 
 
 def sample_first_token(logits: torch.Tensor, params: SamplingParams) -> int:
-    """logits [V] float32 -> token id."""
+    """logits [V] float32 -> token id. Banned tokens are masked first, as vLLM's min-tokens logits
+    processor masks the stop tokens (before temperature and the top-k / top-p filters)."""
+    if params.banned_token_ids:
+        v = logits.numel()
+        banned = [t for t in params.banned_token_ids if 0 <= t < v]
+        if banned:
+            logits = logits.clone()
+            logits[torch.tensor(banned, dtype=torch.long, device=logits.device)] = float("-inf")
+            if not bool(torch.isfinite(logits).any()):
+                raise InvalidRequest("every token is a stop token while min_tokens is not reached: lower min_tokens "
+                                     "or send fewer stop_token_ids", field="min_tokens")
     if params.temperature < SAMPLING_EPS:  # as vLLM: tiny temperatures are greedy (no overflow)
         return int(torch.argmax(logits))
     x = logits.float() / params.temperature

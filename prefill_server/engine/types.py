@@ -15,6 +15,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1  # -1 = off
     seed: int | None = None
+    # token ids the first token may not be: the stop tokens while a request's min_tokens is not reached
+    # (ids outside the vocabulary are ignored)
+    banned_token_ids: tuple[int, ...] = ()
 
     def validate(self) -> None:
         if not (self.temperature >= 0.0):

@@ -1,7 +1,7 @@
-"""Request fields that change how the first token is drawn, which the engine's sampler (temperature,
-top_p, top_k, seed) does not apply. Where the first token a client gets is drawn here (SGLang
-decodes; a server without a decode), a request setting one is refused, naming it, rather than
-answered from a token drawn without it."""
+"""How the request's fields reach the first token drawn here (SGLang decodes; a server without a
+decode). The engine's sampler applies temperature, top_p, top_k, seed and ``min_tokens`` (the stop
+tokens banned, ``stop_bans``); a request setting a field it does not apply is refused, naming it,
+rather than answered from a token drawn without it."""
 from __future__ import annotations
 
 import json
@@ -11,10 +11,23 @@ from prefill_server.errors import InvalidRequest
 # field (vLLM's and SGLang's names) -> the value that means "off" (null, {} and [] do too). Presence and
 # frequency penalties count output tokens only, so they leave the first token as it is; the
 # repetition penalty counts the prompt's.
-_NOT_APPLIED = {"min_p": 0.0, "repetition_penalty": 1.0, "logit_bias": None, "min_tokens": 0, "min_new_tokens": 0,
-                "allowed_token_ids": None, "bad_words": None, "logits_processors": None, "structured_outputs": None,
-                "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None,
-                "custom_logit_processor": None, "use_beam_search": False}
+_NOT_APPLIED = {"min_p": 0.0, "repetition_penalty": 1.0, "logit_bias": None, "allowed_token_ids": None,
+                "bad_words": None, "logits_processors": None, "structured_outputs": None, "json_schema": None,
+                "regex": None, "ebnf": None, "structural_tag": None, "custom_logit_processor": None,
+                "use_beam_search": False}
+
+
+def stop_bans(min_tokens, stop_token_ids, eos_ids, where: str = "") -> tuple[int, ...]:
+    """The token ids the first token may not be: with ``min_tokens`` >= 1, the stop tokens (the model's
+    end tokens and ``stop_token_ids``), as vLLM's min-tokens logits processor and SGLang's
+    min-new-tokens penalizer mask them until that many tokens are out (``ignore_eos`` or not)."""
+    if not min_tokens:
+        return ()
+    ids = [] if stop_token_ids is None else stop_token_ids
+    if not (isinstance(ids, list) and all(type(i) is int for i in ids)):
+        raise InvalidRequest(f"'{where}stop_token_ids' must be a list of token ids (integers), not "
+                             f"{json.dumps(ids)[:40]}", field=f"{where}stop_token_ids")
+    return tuple(sorted(set(eos_ids).union(ids)))
 
 
 def check(fields: dict, who: str, where: str = "") -> None:

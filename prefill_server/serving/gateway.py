@@ -132,7 +132,7 @@ class Gateway:
         if svc.backend.bootstrap_port is None:
             raise InvalidRequest("POST /generate is SGLang's native API, served with --decode-engine sglang; this "
                                  "server prefills for vLLM decodes: use /v1/completions", field="path")
-        g = sp.parse_generate(raw)
+        g = sp.parse_generate(raw, svc.eos_token_ids)
         svc.worker.check_admission()  # (before tokenizing: a full server answers 429 at once)
         token_ids = g.input_ids or await svc.encode_prompt_async(g.text)
         self._check_fits(len(token_ids), g.max_new_tokens)
@@ -151,13 +151,13 @@ class Gateway:
         token_ids = await svc.encode_prompt_async(schema.single_prompt(body.prompt),
                                                   add_special_tokens=raw.get("add_special_tokens") is not False)
         self._check_fits(len(token_ids), body.max_tokens, body.truncate_prompt_tokens)
+        sampling = sampling_of(body, raw, svc.eos_token_ids)
         if remote_decode:
-            return await self._as_prefill_instance(False, raw, token_ids, sampling_of(body), body.stream, outcome, tag)
+            return await self._as_prefill_instance(False, raw, token_ids, sampling, body.stream, outcome, tag)
         if (room := self._room_of(raw)) is not None:
-            return await self._for_sglang_decode(False, raw, room, token_ids, sampling_of(body), body.stream,
-                                                 outcome, tag)
+            return await self._for_sglang_decode(False, raw, room, token_ids, sampling, body.stream, outcome, tag)
         out = dict(raw, prompt=token_ids)  # the decode gets exactly the tokens we prefilled
-        return await self._run("/v1/completions", out, token_ids, sampling_of(body), body.stream,
+        return await self._run("/v1/completions", out, token_ids, sampling, body.stream,
                                self._plan("completion", raw), outcome, tag)
 
     async def _chat(self, raw: dict, outcome: _Outcome, tag: str | None) -> Answer | Stream:
@@ -168,12 +168,12 @@ class Gateway:
         svc.worker.check_admission()
         token_ids = await svc.encode_chat_async(schema.chat_messages(body), request=raw)
         self._check_fits(len(token_ids), body.max_completion_tokens or body.max_tokens, body.truncate_prompt_tokens)
+        sampling = sampling_of(body, raw, svc.eos_token_ids)
         if remote_decode:
-            return await self._as_prefill_instance(True, raw, token_ids, sampling_of(body), body.stream, outcome, tag)
+            return await self._as_prefill_instance(True, raw, token_ids, sampling, body.stream, outcome, tag)
         if (room := self._room_of(raw)) is not None:
-            return await self._for_sglang_decode(True, raw, room, token_ids, sampling_of(body), body.stream,
-                                                 outcome, tag)
-        return await self._run("/v1/chat/completions", dict(raw), token_ids, sampling_of(body), body.stream,
+            return await self._for_sglang_decode(True, raw, room, token_ids, sampling, body.stream, outcome, tag)
+        return await self._run("/v1/chat/completions", dict(raw), token_ids, sampling, body.stream,
                                self._plan("chat", raw), outcome, tag)
 
     def _wants_remote_decode(self, raw: dict) -> bool:
@@ -292,7 +292,8 @@ class Gateway:
                  f" (X-Request-Id {tag})" if tag else "", len(token_ids), room)
         if generate is not None:
             t = result.first_token_id
-            body = sp.generate_answer(generate, rid, t, svc.tokenizer.decode([t]), t in svc.eos_token_ids,
+            body = sp.generate_answer(generate, rid, t, sp.first_text(svc.tokenizer, generate, token_ids, t),
+                                      t in svc.eos_token_ids,
                                       result.num_prompt_tokens, result.num_cached_tokens, result.first_logprobs)
             if not stream:
                 return Answer(body)

@@ -2,7 +2,8 @@
 for its first token without a router's ``kv_transfer_params``): that first token alone, drawn here,
 as vLLM 0.32 answers a request that ends after one token.
 
-The engine draws the token with temperature, top_p, top_k and seed and gives its logprobs; the answer
+The engine draws the token with temperature, top_p, top_k, seed and min_tokens (no stop token while
+it is not reached) and gives its logprobs; the answer
 applies what vLLM's output processing applies to one token: the end-of-sequence token (unless
 ``ignore_eos``), ``stop_token_ids``, ``stop`` strings (``include_stop_str_in_output``) and
 ``skip_special_tokens``; ``stream`` gets server-sent events. A field that would have changed which

@@ -92,9 +92,11 @@ class Generate:
     stream: bool
     num_logprobs: int | None  # return_logprob: the first token's (sampled + top_logprobs_num)
     rid: str | None
+    skip_special_tokens: bool = True  # (SGLang's default)
 
 
-def parse_generate(raw: dict) -> Generate:
+def parse_generate(raw: dict, eos_ids: tuple[int, ...] = ()) -> Generate:
+    """``eos_ids``: the model's end tokens (banned from the first token with ``min_new_tokens``)."""
     if not isinstance(raw, dict):
         raise InvalidRequest("the request body must be a JSON object")
     text, ids = raw.get("text"), raw.get("input_ids")
@@ -129,26 +131,37 @@ def parse_generate(raw: dict) -> Generate:
     seed = s.get("sampling_seed")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise InvalidRequest("'sampling_params.sampling_seed' must be an integer", field="sampling_params.sampling_seed")
+    min_new = s.get("min_new_tokens")
+    if min_new is not None and (not isinstance(min_new, int) or isinstance(min_new, bool) or min_new < 0
+                                or max_new is not None and min_new > max_new):
+        raise InvalidRequest("'sampling_params.min_new_tokens' must be an integer from 0 to max_new_tokens",
+                             field="sampling_params.min_new_tokens")
+    bans = first_draw.stop_bans(min_new, s.get("stop_token_ids"), eos_ids, "sampling_params.")
     sampling = SamplingParams(temperature=float(number("temperature", 1.0)), top_p=float(number("top_p", 1.0)),
-                              top_k=-1 if top_k <= 0 or top_k >= TOP_K_ALL else top_k, seed=seed)
+                              top_k=-1 if top_k <= 0 or top_k >= TOP_K_ALL else top_k, seed=seed,
+                              banned_token_ids=bans)
     num_logprobs = None
     if raw.get("return_logprob") is True:
         k = raw.get("top_logprobs_num") or 0
         if not isinstance(k, int) or isinstance(k, bool) or k < 0:
             raise InvalidRequest("'top_logprobs_num' must be an integer >= 0", field="top_logprobs_num")
         num_logprobs = k
+    skip = s.get("skip_special_tokens", True)
+    if not isinstance(skip, bool):
+        raise InvalidRequest("'sampling_params.skip_special_tokens' must be a boolean",
+                             field="sampling_params.skip_special_tokens")
     stream, rid = raw.get("stream", False), raw.get("rid")
     if not isinstance(stream, bool):
         raise InvalidRequest("'stream' must be a boolean", field="stream")
     if rid is not None and not isinstance(rid, str):
         raise InvalidRequest("'rid' must be a string (one prompt per request)", field="rid")
-    return Generate(text, ids, sampling, max_new, stream, num_logprobs, rid)
+    return Generate(text, ids, sampling, max_new, stream, num_logprobs, rid, skip)
 
 
 def generate_answer(g: Generate, request_id: str, token: int, token_text: str, eos: bool, num_prompt: int,
                     num_cached: int, logprobs: tuple[tuple[int, float], ...] | None) -> dict:
     """The prefill's own /generate answer: its one token, in SGLang's shape (the router answers the
-    client with the decode's)."""
+    client with the decode's). ``token_text``: ``first_text``'s."""
     meta = {"id": g.rid or request_id, "prompt_tokens": num_prompt, "completion_tokens": 1,
             "cached_tokens": num_cached,
             "finish_reason": {"type": "stop", "matched": token} if eos else {"type": "length", "length": 1}}
@@ -156,6 +169,13 @@ def generate_answer(g: Generate, request_id: str, token: int, token_text: str, e
         meta["output_token_logprobs"] = [[logprobs[0][1], logprobs[0][0], None]]
         meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in logprobs[1:]]]
     return {"text": token_text, "output_ids": [token], "meta_info": meta}
+
+
+def first_text(tokenizer, g: Generate, prompt_ids: list[int], token: int) -> str:
+    """The text the first token adds after the prompt, as SGLang's incremental detokenizer shows it
+    (it decodes from a few prompt tokens back, so a SentencePiece word keeps its leading space;
+    special tokens skipped unless asked for); "" for part of a character."""
+    return tokenizer.continuation_text(prompt_ids, token, g.skip_special_tokens) or ""
 
 
 def server_info(info, page_size: int | None, bootstrap_port: int) -> dict:

@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from prefill_server.engine.types import PrefillResult
-from prefill_server.serving import local_answer
+from prefill_server.serving import first_draw, local_answer
 from prefill_server.serving.http import create_app
 from test_first_token import _keys
 from test_stream_usage import KINDS, OPTIONS, REF_PROMPT, _same_shape, _t1_as_reference
@@ -130,6 +130,28 @@ def test_stop_strings_and_stop_token_ids_end_the_answer_as_in_vllm(client):
     assert status == 200 and events[-1] == "[DONE]"
 
 
+def test_min_tokens_keeps_the_stop_tokens_out_of_the_first_token(client, local_service):
+    """As vLLM's min-tokens logits processor: while min_tokens is not reached, the stop tokens (the end
+    tokens and stop_token_ids) are masked, so the greedy token is the best of the rest."""
+    _, a = _ask(client, "completion", logprobs=2, return_tokens_as_token_ids=True)
+    top = a["choices"][0]["logprobs"]["top_logprobs"][0]
+    first, second = (int(k.removeprefix("token_id:")) for k in sorted(top, key=top.get, reverse=True))
+    for stream in (False, True):
+        _, b = _ask(client, "completion", min_tokens=1, max_tokens=4, stop_token_ids=[first], logprobs=1,
+                    return_tokens_as_token_ids=True, stream=stream)
+        choice = b[0]["choices"][0] if stream else b["choices"][0]
+        assert choice["logprobs"]["tokens"] == [f"token_id:{second}"], b
+        assert choice["finish_reason"] in (None, "length")
+    _, b = _ask(client, "completion", min_tokens=0, stop_token_ids=[first])
+    assert b["choices"][0]["finish_reason"] == "stop"  # (no min_tokens: drawn, and it ends the answer)
+    # the end tokens are banned too (ignore_eos or not), as vLLM's all_stop_token_ids holds them
+    eos = local_service.eos_token_ids
+    assert first_draw.stop_bans(1, [first], eos) == tuple(sorted({first, *eos}))
+    assert first_draw.stop_bans(0, [first], eos) == first_draw.stop_bans(None, None, eos) == ()
+    status, b = _ask(client, "completion", min_tokens=1, stop_token_ids=5)
+    assert status == 400 and b["error"]["param"] == "stop_token_ids"
+
+
 def test_the_end_token_ends_the_answer_unless_ignore_eos(local_service):
     from prefill_server.serving import first_token as ft
 
@@ -151,7 +173,6 @@ def test_the_end_token_ends_the_answer_unless_ignore_eos(local_service):
     ("completion", {"prompt_logprobs": 1}, "prompt_logprobs"),
     ("completion", {"min_p": 0.2}, "min_p"),
     ("completion", {"repetition_penalty": 1.3}, "repetition_penalty"),
-    ("completion", {"min_tokens": 2}, "min_tokens"),
     ("completion", {"logit_bias": {"7042": -100}}, "logit_bias"),
     ("completion", {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
     ("completion", {"bad_words": ["Paris"]}, "bad_words"),

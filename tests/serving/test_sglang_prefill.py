@@ -6,6 +6,7 @@ import pytest
 
 from prefill_server.config import ServerConfig, SGLangConfig, PoolConfig
 from prefill_server.errors import InvalidRequest
+from prefill_server.serving import sglang_prefill as sp
 from prefill_server.serving.sglang_prefill import requested_logprobs, room_of
 
 
@@ -77,3 +78,21 @@ def test_sglang_settings_are_checked(cfg, words):
 def test_sglang_defaults_validate():
     ServerConfig(decode_engine="sglang").validate()
     ServerConfig(decode_engine="sglang", decode_urls=("http://h:1",)).validate()
+
+
+def test_generate_sampling_is_what_our_first_token_is_drawn_with():
+    """/generate's sampling_params: min_new_tokens bans the stop tokens from our first token (SGLang's
+    min-new-tokens penalizer: stop_token_ids and the end tokens); what we do not apply is refused."""
+    g = sp.parse_generate({"text": "Hi", "sampling_params": {"min_new_tokens": 2, "max_new_tokens": 4,
+                                                             "stop_token_ids": [7, 3], "temperature": 0}}, (2,))
+    assert g.sampling.banned_token_ids == (2, 3, 7) and g.sampling.temperature == 0
+    none = sp.parse_generate({"text": "Hi", "sampling_params": {"min_new_tokens": 0}}, (2,))
+    assert none.sampling.banned_token_ids == ()
+    for bad, field in [({"min_new_tokens": 5, "max_new_tokens": 4}, "min_new_tokens"),
+                       ({"min_new_tokens": -1}, "min_new_tokens"), ({"min_new_tokens": "2"}, "min_new_tokens"),
+                       ({"min_new_tokens": 1, "stop_token_ids": "7"}, "stop_token_ids"),
+                       ({"min_p": 0.1}, "min_p")]:
+        with pytest.raises(InvalidRequest) as e:
+            sp.parse_generate({"text": "Hi", "sampling_params": bad}, (2,))
+        assert e.value.field == f"sampling_params.{field}"
+    sp.check_sampling({"min_tokens": 3, "presence_penalty": 0.5})  # (OpenAI bodies: applied / output tokens only)

@@ -1,7 +1,7 @@
 """The first token's text is what it adds after the prompt, as vLLM's incremental detokenizer shows
 it: with a SentencePiece-style tokenizer (Metaspace: "▁world") the word's leading space is part of
 it, which decoding the token alone drops. Checked for every answer made of the first token alone:
-HTTP without a decode, a prefill instance's answer, gRPC's ``first_token_text``."""
+HTTP without a decode, a prefill instance's answer, gRPC's ``first_token_text``, SGLang's /generate."""
 from __future__ import annotations
 
 import time
@@ -14,6 +14,7 @@ from prefill_server.engine.types import PrefillResult
 from prefill_server.models.tokenizer import Tokenizer
 from prefill_server.serving import first_token as ft
 from prefill_server.serving import grpc_server
+from prefill_server.serving import sglang_prefill as sp
 from prefill_server.serving.grpc_inputs import Prepared
 from prefill_server.serving.local_answer import LocalAnswer
 from prefill_server.serving.relay import one_token_answer
@@ -54,3 +55,22 @@ def test_grpc_first_token_text(metaspace):
     r = grpc_server.PrefillServicer._response(servicer, p, _result(WORLD), False)
     assert r.first_token_text == " world"
     assert grpc_server.PrefillServicer._response(servicer, p, _result(10**6), False).first_token_text == ""
+
+
+def test_sglang_generate_answer(metaspace):
+    g = sp.parse_generate({"input_ids": [HELLO]})
+    assert sp.first_text(metaspace, g, [HELLO], WORLD) == " world"
+    assert sp.first_text(metaspace, g, [HELLO], 10**6) == ""
+
+
+def test_sglang_generate_special_tokens(tmp_path):
+    t = HFTokenizer(models.WordLevel({"<unk>": 0, "▁Hello": HELLO, "</s>": EOS}, unk_token="<unk>"))
+    t.pre_tokenizer, t.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    t.add_special_tokens(["</s>"])
+    t.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer(tmp_path)
+    assert sp.first_text(tok, sp.parse_generate({"text": "Hello"}), [HELLO], EOS) == ""  # SGLang's default skips it
+    keep = sp.parse_generate({"text": "Hello", "sampling_params": {"skip_special_tokens": False}})
+    assert sp.first_text(tok, keep, [HELLO], EOS) == "</s>"
+    with pytest.raises(sp.InvalidRequest, match="skip_special_tokens"):
+        sp.parse_generate({"text": "Hello", "sampling_params": {"skip_special_tokens": "no"}})

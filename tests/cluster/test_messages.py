@@ -1,0 +1,16 @@
+"""What crosses between the gateway and a pool worker is plain data (``cluster/messages.py``): a
+request comes back from its dict as it was, the first token's sampling included."""
+from __future__ import annotations
+
+import json
+
+from kv_transfer.base import Route
+from prefill_server.cluster.messages import request_from_dict, request_to_dict
+from prefill_server.engine.types import PrefillRequest, SamplingParams
+
+
+def test_a_request_survives_its_dict():
+    r = PrefillRequest("r1", (1, 2, 3), SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=11,
+                                                       banned_token_ids=(2, 9)),
+                       route=Route.STREAM, num_logprobs=2, room_tokens=1, decode_url="http://d:1")
+    assert request_from_dict(json.loads(json.dumps(request_to_dict(r)))) == r
