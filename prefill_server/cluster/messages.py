@@ -25,6 +25,9 @@ def request_to_dict(r: PrefillRequest) -> dict[str, Any]:
     s = r.sampling
     return {"request_id": r.request_id, "prompt_token_ids": list(r.prompt_token_ids),
             "sampling": {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "seed": s.seed,
+                         "min_p": s.min_p, "repetition_penalty": s.repetition_penalty,
+                         "logit_bias": [[t, b] for t, b in s.logit_bias],
+                         "allowed_token_ids": None if s.allowed_token_ids is None else list(s.allowed_token_ids),
                          "banned_token_ids": list(s.banned_token_ids)},
             "route": r.route.value, "num_logprobs": r.num_logprobs, "room_tokens": r.room_tokens,
             "decode_url": r.decode_url}
@@ -32,6 +35,8 @@ def request_to_dict(r: PrefillRequest) -> dict[str, Any]:
 
 def request_from_dict(d: dict[str, Any]) -> PrefillRequest:
     s = dict(d["sampling"])
+    s["logit_bias"] = tuple((int(t), float(b)) for t, b in s.get("logit_bias", ()))
+    s["allowed_token_ids"] = None if s.get("allowed_token_ids") is None else tuple(int(t) for t in s["allowed_token_ids"])
     s["banned_token_ids"] = tuple(int(t) for t in s.get("banned_token_ids", ()))
     return PrefillRequest(str(d["request_id"]), tuple(int(t) for t in d["prompt_token_ids"]),
                           SamplingParams(**s), route=Route(d["route"]), num_logprobs=d["num_logprobs"],

@@ -375,7 +375,7 @@ class Engine:
             self._fail(seq, RequestCancelled(f"request {req.request_id} was aborted"), blocks)
             return
         try:
-            token = sample_first_token(logits, req.sampling)
+            token = sample_first_token(logits, req.sampling, req.prompt_token_ids)
             logprobs = None if req.num_logprobs is None else first_token_logprobs(logits, token, req.num_logprobs)
             seq.first_token, seq.first_logprobs = token, logprobs  # (an SGLang decode reads them from us)
             params = self._hand_over[seq.route](self, seq)

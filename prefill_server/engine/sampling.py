@@ -1,4 +1,6 @@
-"""First-token sampling (banned tokens, greedy, temperature, top-k, top-p) on one logits row."""
+"""First-token sampling on one logits row, in the order of vLLM v1's sampler: allowed token ids,
+banned tokens and logit bias, the repetition penalty over the prompt, then greedy, or temperature,
+min-p, top-k, top-p."""
 from __future__ import annotations
 
 import torch
@@ -9,36 +11,74 @@ from prefill_server.errors import InvalidRequest
 SAMPLING_EPS = 1e-5
 
 
-def sample_first_token(logits: torch.Tensor, params: SamplingParams) -> int:
-    """logits [V] float32 -> token id. Banned tokens are masked first, as vLLM's min-tokens logits
-    processor masks the stop tokens (before temperature and the top-k / top-p filters)."""
-    if params.banned_token_ids:
-        v = logits.numel()
-        banned = [t for t in params.banned_token_ids if 0 <= t < v]
-        if banned:
-            logits = logits.clone()
-            logits[torch.tensor(banned, dtype=torch.long, device=logits.device)] = float("-inf")
-            if not bool(torch.isfinite(logits).any()):
-                raise InvalidRequest("every token is a stop token while min_tokens is not reached: lower min_tokens "
-                                     "or send fewer stop_token_ids", field="min_tokens")
-    if params.temperature < SAMPLING_EPS:  # as vLLM: tiny temperatures are greedy (no overflow)
-        return int(torch.argmax(logits))
-    x = logits.float() / params.temperature
-    if params.top_k > 0:
-        kth = torch.topk(x, min(params.top_k, x.numel())).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    probs = torch.softmax(x, dim=-1)
-    if params.top_p < 1.0:
-        sp, si = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sp, 0) - sp < params.top_p
-        keep[0] = True  # always keep the top token, however small top_p is
-        probs = torch.zeros_like(probs).scatter(0, si[keep], sp[keep])
+def sample_first_token(logits: torch.Tensor, params: SamplingParams, prompt_ids: tuple[int, ...] = ()) -> int:
+    """logits [V] float32 -> token id (``prompt_ids``: for the repetition penalty)."""
+    x = draw_logits(logits, params, prompt_ids)
+    if params.temperature < SAMPLING_EPS:
+        return int(torch.argmax(x))
     gen = torch.Generator(device="cpu")
     if params.seed is not None:
         gen.manual_seed(params.seed)
     else:
         gen.seed()
-    return int(torch.multinomial(probs.cpu(), 1, generator=gen))
+    return int(torch.multinomial(torch.softmax(x, dim=-1).cpu(), 1, generator=gen))
+
+
+def draw_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: tuple[int, ...] = ()) -> torch.Tensor:
+    """The logits [V] the token is drawn from (-inf: never drawn): greedy takes their argmax (tiny
+    temperatures too, as in vLLM: no overflow), sampling their softmax."""
+    x = _processed(logits, params, prompt_ids)
+    if params.temperature < SAMPLING_EPS:
+        return x
+    x = x.float() / params.temperature
+    if params.min_p > 0.0:  # (vLLM: after temperature, before top-k / top-p)
+        probs = torch.softmax(x, dim=-1)
+        x = x.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+    if params.top_k > 0:
+        kth = torch.topk(x, min(params.top_k, x.numel())).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sp, si = torch.sort(torch.softmax(x, dim=-1), descending=True)
+        keep = torch.cumsum(sp, 0) - sp < params.top_p
+        keep[0] = True  # always keep the top token, however small top_p is
+        drop = torch.ones_like(x, dtype=torch.bool)
+        drop[si[keep]] = False
+        x = x.masked_fill(drop, float("-inf"))
+    return x
+
+
+def _processed(logits: torch.Tensor, p: SamplingParams, prompt_ids: tuple[int, ...]) -> torch.Tensor:
+    """The logits the token is drawn from (the caller's row is left as it is: logprobs are the raw
+    ones, as vLLM's default ``raw_logprobs``)."""
+    if p.allowed_token_ids is None and not p.banned_token_ids and not p.logit_bias and p.repetition_penalty == 1.0:
+        return logits
+    x = logits.float().clone()
+    v = x.numel()
+
+    def index(ids) -> torch.Tensor:
+        return torch.tensor([t for t in ids if 0 <= t < v], dtype=torch.long, device=x.device)
+
+    if p.allowed_token_ids is not None:
+        keep = torch.zeros(v, dtype=torch.bool, device=x.device)
+        keep[index(p.allowed_token_ids)] = True
+        x = x.masked_fill(~keep, float("-inf"))
+    if p.banned_token_ids:
+        x[index(p.banned_token_ids)] = float("-inf")
+    if p.logit_bias:
+        pairs = [(t, b) for t, b in p.logit_bias if 0 <= t < v]
+        x.index_add_(0, index(t for t, _ in pairs), torch.tensor([b for _, b in pairs], dtype=x.dtype,
+                                                                  device=x.device))
+    if p.repetition_penalty != 1.0 and prompt_ids:
+        seen = torch.unique(index(prompt_ids))
+        s = x[seen]
+        x[seen] = torch.where(s > 0, s / p.repetition_penalty, s * p.repetition_penalty)
+    if not bool(torch.isfinite(x).any()):
+        if p.allowed_token_ids is not None:
+            raise InvalidRequest("no token is left to draw: every allowed token is a stop token, which min_tokens "
+                                 "bans; allow more tokens or lower min_tokens", field="allowed_token_ids")
+        raise InvalidRequest("no token is left to draw: every token is a stop token while min_tokens is not "
+                             "reached; lower min_tokens or send fewer stop_token_ids", field="min_tokens")
+    return x
 
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs

@@ -15,9 +15,14 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1  # -1 = off
     seed: int | None = None
+    min_p: float = 0.0  # 0 = off
+    # over the prompt's tokens (vLLM's rule; SGLang's counts output tokens only, so 1.0 for its decodes)
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    allowed_token_ids: tuple[int, ...] | None = None  # None = every token
     # token ids the first token may not be: the stop tokens while a request's min_tokens is not reached
-    # (ids outside the vocabulary are ignored)
     banned_token_ids: tuple[int, ...] = ()
+    # (token ids outside the vocabulary are ignored here: the serving layer refuses them)
 
     def validate(self) -> None:
         if not (self.temperature >= 0.0):
@@ -26,6 +31,12 @@ class SamplingParams:
             raise InvalidRequest("top_p must be in (0, 1]", field="top_p")
         if self.top_k == 0 or self.top_k < -1:
             raise InvalidRequest("top_k must be -1 (off) or a positive integer", field="top_k")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise InvalidRequest("min_p must be in [0, 1]", field="min_p")
+        if not (self.repetition_penalty > 0.0):
+            raise InvalidRequest("repetition_penalty must be > 0", field="repetition_penalty")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise InvalidRequest("allowed_token_ids must not be empty", field="allowed_token_ids")
 
 
 @dataclass(frozen=True)

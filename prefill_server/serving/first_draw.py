@@ -1,40 +1,95 @@
-"""How the request's fields reach the first token drawn here (SGLang decodes; a server without a
-decode). The engine's sampler applies temperature, top_p, top_k, seed and ``min_tokens`` (the stop
-tokens banned, ``stop_bans``); a request setting a field it does not apply is refused, naming it,
-rather than answered from a token drawn without it."""
+"""How a request's fields reach the first token drawn here (SGLang decodes; a server without a
+decode): the engine's sampler applies temperature, top_p, top_k, seed, min_p, the repetition
+penalty, logit_bias, allowed_token_ids and min_tokens (the stop tokens banned); ``check`` refuses a
+request setting a field it does not apply, naming it, rather than answering from a token drawn
+without it. Token ids are checked against the vocabulary as vLLM checks them (400, not an index
+error later)."""
 from __future__ import annotations
 
 import json
+import math
 
+from prefill_server.engine.worker import SamplingParams
 from prefill_server.errors import InvalidRequest
 
 # field (vLLM's and SGLang's names) -> the value that means "off" (null, {} and [] do too). Presence and
-# frequency penalties count output tokens only, so they leave the first token as it is; the
-# repetition penalty counts the prompt's.
-_NOT_APPLIED = {"min_p": 0.0, "repetition_penalty": 1.0, "logit_bias": None, "allowed_token_ids": None,
-                "bad_words": None, "logits_processors": None, "structured_outputs": None, "json_schema": None,
+# frequency penalties count output tokens only, so they leave the first token as it is.
+_NOT_APPLIED = {"bad_words": None, "logits_processors": None, "structured_outputs": None, "json_schema": None,
                 "regex": None, "ebnf": None, "structural_tag": None, "custom_logit_processor": None,
                 "use_beam_search": False}
+# SGLang has no allowed_token_ids: its decode would draw every later token without them
+SGLANG_NOT_APPLIED = {"allowed_token_ids": None}
 
 
-def stop_bans(min_tokens, stop_token_ids, eos_ids, where: str = "") -> tuple[int, ...]:
-    """The token ids the first token may not be: with ``min_tokens`` >= 1, the stop tokens (the model's
-    end tokens and ``stop_token_ids``), as vLLM's min-tokens logits processor and SGLang's
-    min-new-tokens penalizer mask them until that many tokens are out (``ignore_eos`` or not)."""
-    if not min_tokens:
+def openai_sampling(b, raw: dict, eos_ids: tuple[int, ...], vocab: int, sglang: bool = False) -> SamplingParams:
+    """How the first token is drawn for a parsed OpenAI body ``b`` (``raw``: as sent): by vLLM's rules,
+    or (``sglang``) by an SGLang decode's, whose repetition penalty counts output tokens only."""
+    stop_ids = token_ids(b.stop_token_ids, "stop_token_ids", vocab)
+    allowed = None if b.allowed_token_ids is None else token_ids(b.allowed_token_ids, "allowed_token_ids", vocab)
+    if allowed == ():  # (vLLM refuses it when it checks the ids against the model)
+        raise InvalidRequest("'allowed_token_ids' is empty: list at least one token id, or leave it out",
+                             field="allowed_token_ids")
+    return SamplingParams(temperature=b.temperature if b.temperature is not None else 1.0,
+                          top_p=b.top_p if b.top_p is not None else 1.0,
+                          top_k=b.top_k if b.top_k is not None else -1, seed=b.seed, min_p=b.min_p or 0.0,
+                          repetition_penalty=1.0 if sglang or b.repetition_penalty is None else b.repetition_penalty,
+                          logit_bias=logit_bias(b.logit_bias, vocab, "", clamp=not sglang),
+                          allowed_token_ids=allowed, banned_token_ids=stop_bans(b.min_tokens, stop_ids, eos_ids))
+
+
+def token_ids(value, field: str, vocab: int) -> tuple[int, ...]:
+    """A list of token ids of the vocabulary (``field``: its name, for the message); null is none."""
+    if value is None:
         return ()
-    ids = [] if stop_token_ids is None else stop_token_ids
-    if not (isinstance(ids, list) and all(type(i) is int for i in ids)):
-        raise InvalidRequest(f"'{where}stop_token_ids' must be a list of token ids (integers), not "
-                             f"{json.dumps(ids)[:40]}", field=f"{where}stop_token_ids")
-    return tuple(sorted(set(eos_ids).union(ids)))
+    if not (isinstance(value, list) and all(type(i) is int for i in value)):
+        raise InvalidRequest(f"'{field}' must be a list of token ids (integers), not {json.dumps(value)[:40]}",
+                             field=field)
+    bad = [i for i in value if not 0 <= i < vocab]
+    if bad:
+        raise InvalidRequest(f"'{field}' holds token ids outside the vocabulary ({bad[:5]}): ids are 0 to "
+                             f"{vocab - 1}", field=field)
+    return tuple(value)
 
 
-def check(fields: dict, who: str, where: str = "") -> None:
+def logit_bias(value, vocab: int, where: str, clamp: bool) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` ({"token id": bias}) as (id, bias) pairs: keys as integers (the last of equal
+    ones wins), biases clamped to [-100, 100] where vLLM clamps them (``clamp``; SGLang adds them as
+    sent)."""
+    if value is None or value == {}:
+        return ()
+    field = f"{where}logit_bias"
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"'{field}' must be an object mapping token ids to biases", field=field)
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        try:
+            t = int(key)
+        except (TypeError, ValueError):
+            raise InvalidRequest(f"'{field}' key {json.dumps(key)[:30]} is not a token id (an integer)",
+                                 field=field) from None
+        if not 0 <= t < vocab:
+            raise InvalidRequest(f"'{field}' key {t} is outside the vocabulary: ids are 0 to {vocab - 1}", field=field)
+        if clamp and isinstance(bias, float) and not math.isnan(bias):  # (parsed as vLLM's request: a float)
+            out[t] = min(100.0, max(-100.0, bias))
+            continue
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise InvalidRequest(f"'{field}' bias for {t} must be a finite number", field=field)
+        out[t] = float(bias)
+    return tuple(out.items())
+
+
+def stop_bans(min_tokens, stop_token_ids: tuple[int, ...], eos_ids) -> tuple[int, ...]:
+    """The token ids the first token may not be: with ``min_tokens`` >= 1, the stop tokens (the model's
+    end tokens and ``stop_token_ids``, checked), as vLLM's min-tokens logits processor and SGLang's
+    min-new-tokens penalizer mask them until that many tokens are out (``ignore_eos`` or not)."""
+    return tuple(sorted(set(eos_ids).union(stop_token_ids))) if min_tokens else ()
+
+
+def check(fields: dict, who: str, where: str = "", also: dict | None = None) -> None:
     """Refuse the fields of ``fields`` (an OpenAI body, or /generate's ``sampling_params`` with
     ``where`` its prefix) that the first token drawn here would ignore; ``who``: what draws it, for
-    the message."""
-    for key, off in _NOT_APPLIED.items():
+    the message; ``also``: more such fields (name -> the value meaning "off")."""
+    for key, off in (_NOT_APPLIED | (also or {})).items():
         v = fields.get(key)
         if v is not None and v != off and v != {} and v != []:
             raise InvalidRequest(f"'{where}{key}' changes how the first token is drawn; {who} draws it without it: "

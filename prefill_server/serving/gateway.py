@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from prefill_server.engine.worker import Route, SamplingParams
 from prefill_server.errors import (DecodeNotReached, DecodeUnavailable, InvalidRequest, PrefillError, PromptMismatch,
                                    PromptTooLong)
+from prefill_server.serving import first_draw
 from prefill_server.serving import first_token as ft
 from prefill_server.serving import local_answer
 from prefill_server.serving import openai_schema as schema
@@ -32,7 +33,7 @@ from prefill_server.serving import prefill_instance as pi
 from prefill_server.serving import sglang_prefill as sp
 from prefill_server.serving.relay import (chain, check_prompt_tokens, consume, decode_failure, decode_outcome,
                                           ended_cached_tokens, max_tokens_of, one_token_answer,
-                                          raise_prefill_failure, renamer, sampling_of, streamed_cached_tokens)
+                                          raise_prefill_failure, renamer, streamed_cached_tokens)
 from prefill_server.serving.stream_relay import StreamUsage, relay
 from prefill_server.serving.decodes import Assignment, DecodeSet
 from prefill_server.serving.service import PrefillService
@@ -132,7 +133,7 @@ class Gateway:
         if svc.backend.bootstrap_port is None:
             raise InvalidRequest("POST /generate is SGLang's native API, served with --decode-engine sglang; this "
                                  "server prefills for vLLM decodes: use /v1/completions", field="path")
-        g = sp.parse_generate(raw, svc.eos_token_ids)
+        g = sp.parse_generate(raw, svc.eos_token_ids, svc.info.vocab_size)
         svc.worker.check_admission()  # (before tokenizing: a full server answers 429 at once)
         token_ids = g.input_ids or await svc.encode_prompt_async(g.text)
         self._check_fits(len(token_ids), g.max_new_tokens)
@@ -151,7 +152,7 @@ class Gateway:
         token_ids = await svc.encode_prompt_async(schema.single_prompt(body.prompt),
                                                   add_special_tokens=raw.get("add_special_tokens") is not False)
         self._check_fits(len(token_ids), body.max_tokens, body.truncate_prompt_tokens)
-        sampling = sampling_of(body, raw, svc.eos_token_ids)
+        sampling = self._sampling(body, raw)
         if remote_decode:
             return await self._as_prefill_instance(False, raw, token_ids, sampling, body.stream, outcome, tag)
         if (room := self._room_of(raw)) is not None:
@@ -168,7 +169,7 @@ class Gateway:
         svc.worker.check_admission()
         token_ids = await svc.encode_chat_async(schema.chat_messages(body), request=raw)
         self._check_fits(len(token_ids), body.max_completion_tokens or body.max_tokens, body.truncate_prompt_tokens)
-        sampling = sampling_of(body, raw, svc.eos_token_ids)
+        sampling = self._sampling(body, raw)
         if remote_decode:
             return await self._as_prefill_instance(True, raw, token_ids, sampling, body.stream, outcome, tag)
         if (room := self._room_of(raw)) is not None:
@@ -195,6 +196,12 @@ class Gateway:
         if backend.reads_first_token:
             sp.check_sampling(raw)
         return sp.room_of(raw, backend.bootstrap_port)
+
+    def _sampling(self, body: schema._Body, raw: dict) -> SamplingParams:
+        """How the first token is drawn (it is the client's with SGLang decodes and without a decode)."""
+        svc = self.service
+        return first_draw.openai_sampling(body, raw, svc.eos_token_ids, svc.info.vocab_size,
+                                          sglang=svc.backend.reads_first_token)
 
     def _check_model(self, raw: dict, name: str | None) -> None:
         # sglang-router names a chat without "model" "unknown" (and /generate's null) to its workers

@@ -2,13 +2,14 @@
 for its first token without a router's ``kv_transfer_params``): that first token alone, drawn here,
 as vLLM 0.32 answers a request that ends after one token.
 
-The engine draws the token with temperature, top_p, top_k, seed and min_tokens (no stop token while
-it is not reached) and gives its logprobs; the answer
+The engine draws the token with the sampling fields vLLM's sampler applies to a first token
+(``first_draw.openai_sampling``: temperature, top_p, top_k, min_p, seed, the repetition penalty,
+logit_bias, allowed_token_ids, min_tokens) and gives its raw logprobs; the answer
 applies what vLLM's output processing applies to one token: the end-of-sequence token (unless
 ``ignore_eos``), ``stop_token_ids``, ``stop`` strings (``include_stop_str_in_output``) and
 ``skip_special_tokens``; ``stream`` gets server-sent events. A field that would have changed which
-token is drawn (a reshaped or masked distribution, structured output) or added to the answer (echo,
-prompt logprobs) is refused, naming it, rather than answered as if it were absent.
+token is drawn (bad words, logits processors, structured output, beam search) or added to the answer
+(echo, prompt logprobs) is refused, naming it, rather than answered as if it were absent.
 """
 from __future__ import annotations
 
@@ -35,10 +36,6 @@ def plan(kind: str, body: dict, who: str) -> ft.Plan:
         if g(key) is not None and g(key) != off:
             raise InvalidRequest(f"'{key}' adds to the answer, which {who} gives as the first token alone: drop it "
                                  f"(or leave it at {json.dumps(off)})", field=key)
-    ids = g("stop_token_ids")
-    if ids is not None and not (isinstance(ids, list) and all(type(i) is int for i in ids)):
-        raise InvalidRequest(f"'stop_token_ids' must be a list of token ids (integers), not {json.dumps(ids)[:40]}",
-                             field="stop_token_ids")
     if kind == "chat":
         k, field = ((g("top_logprobs") or 0), "top_logprobs") if g("logprobs") is True else (None, "logprobs")
     else:
@@ -61,7 +58,7 @@ class LocalAnswer:
         self.finish_reason, self.stop_reason = "length", None
         if t in eos_ids and b.get("ignore_eos") is not True:  # (vLLM: the stop token's text is not shown)
             self.finish_reason, text = "stop", text if keep_stop else ""
-        elif t in (b.get("stop_token_ids") or ()):
+        elif t in {int(i) for i in b.get("stop_token_ids") or ()}:  # (validated: "7" and 7.0 are 7, as in vLLM)
             self.finish_reason, self.stop_reason, text = "stop", t, text if keep_stop else ""
         else:
             stops = [b["stop"]] if isinstance(b.get("stop"), str) else b.get("stop") or []

@@ -37,6 +37,11 @@ class _Body(BaseModel):
     seed: StrictInt | None = Field(default=None, ge=-2**63, le=2**63 - 1)  # a 64-bit seed, as vLLM takes
     n: StrictInt | None = Field(default=None, ge=1)
     truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)  # (-1: the context's length)
+    # typed as vLLM's request classes type them (lax: "1.5" is a bias, "7" a token id); the vocabulary's
+    # bounds are checked where the first token's sampling is built (``first_draw``)
+    logit_bias: dict[str, float] | None = None
+    stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
 
     def _limit(self) -> int | None:
         return self.max_tokens

@@ -9,9 +9,7 @@ import sys
 from collections.abc import AsyncIterator, Callable
 
 from prefill_server.errors import DecodeFailed, PrefillError, PromptMismatch
-from prefill_server.engine.worker import PrefillResult, SamplingParams
-from prefill_server.serving import first_draw
-from prefill_server.serving import openai_schema as schema
+from prefill_server.engine.worker import PrefillResult
 from prefill_server.serving import prefill_instance as pi
 from prefill_server.serving.service import PrefillService
 
@@ -25,15 +23,6 @@ async def chain(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes
             yield chunk
     finally:
         await rest.aclose()
-
-
-def sampling_of(b: schema._Body, raw: dict, eos_ids: tuple[int, ...]) -> SamplingParams:
-    """How the first token is drawn for an OpenAI body ``b`` (``raw``: as sent; ``eos_ids``: the
-    model's end tokens)."""
-    bans = first_draw.stop_bans(b.min_tokens, raw.get("stop_token_ids"), eos_ids)
-    return SamplingParams(temperature=b.temperature if b.temperature is not None else 1.0,
-                          top_p=b.top_p if b.top_p is not None else 1.0,
-                          top_k=b.top_k if b.top_k is not None else -1, seed=b.seed, banned_token_ids=bans)
 
 
 def max_tokens_of(body: dict) -> int | None:

@@ -78,7 +78,7 @@ _WHO = "this prefill (with SGLang decodes the first token is its own)"
 def check_sampling(fields: dict, where: str = "") -> None:
     """Refuse the sampling fields our first token cannot honour (``fields``: an OpenAI body, or
     /generate's ``sampling_params``; ``where``: the latter's prefix for the field name)."""
-    first_draw.check(fields, _WHO, where)
+    first_draw.check(fields, _WHO, where, first_draw.SGLANG_NOT_APPLIED)
 
 
 @dataclass(frozen=True)
@@ -95,8 +95,9 @@ class Generate:
     skip_special_tokens: bool = True  # (SGLang's default)
 
 
-def parse_generate(raw: dict, eos_ids: tuple[int, ...] = ()) -> Generate:
-    """``eos_ids``: the model's end tokens (banned from the first token with ``min_new_tokens``)."""
+def parse_generate(raw: dict, eos_ids: tuple[int, ...], vocab: int) -> Generate:
+    """``eos_ids``: the model's end tokens (banned from the first token with ``min_new_tokens``);
+    ``vocab``: the vocabulary's size (token ids are checked against it)."""
     if not isinstance(raw, dict):
         raise InvalidRequest("the request body must be a JSON object")
     text, ids = raw.get("text"), raw.get("input_ids")
@@ -136,10 +137,18 @@ def parse_generate(raw: dict, eos_ids: tuple[int, ...] = ()) -> Generate:
                                 or max_new is not None and min_new > max_new):
         raise InvalidRequest("'sampling_params.min_new_tokens' must be an integer from 0 to max_new_tokens",
                              field="sampling_params.min_new_tokens")
-    bans = first_draw.stop_bans(min_new, s.get("stop_token_ids"), eos_ids, "sampling_params.")
+    min_p = number("min_p", 0.0)
+    if not 0.0 <= min_p <= 1.0:
+        raise InvalidRequest("'sampling_params.min_p' must be in [0, 1]", field="sampling_params.min_p")
+    rep = number("repetition_penalty", 1.0)  # (SGLang's counts output tokens only: not our first token's)
+    if not 0.0 < rep <= 2.0:
+        raise InvalidRequest("'sampling_params.repetition_penalty' must be in (0, 2] (1.0 = no penalty)",
+                             field="sampling_params.repetition_penalty")
+    stop_ids = first_draw.token_ids(s.get("stop_token_ids"), "sampling_params.stop_token_ids", vocab)
     sampling = SamplingParams(temperature=float(number("temperature", 1.0)), top_p=float(number("top_p", 1.0)),
-                              top_k=-1 if top_k <= 0 or top_k >= TOP_K_ALL else top_k, seed=seed,
-                              banned_token_ids=bans)
+                              top_k=-1 if top_k <= 0 or top_k >= TOP_K_ALL else top_k, seed=seed, min_p=float(min_p),
+                              logit_bias=first_draw.logit_bias(s.get("logit_bias"), vocab, "sampling_params.", False),
+                              banned_token_ids=first_draw.stop_bans(min_new, stop_ids, eos_ids))
     num_logprobs = None
     if raw.get("return_logprob") is True:
         k = raw.get("top_logprobs_num") or 0

@@ -144,8 +144,8 @@ def test_behind_the_real_sglang_router(decode, tmp_path):
         # refused here (400): its room fails on the decode at once with our reason, so the router
         # answers (with the decode's failure or our 400, whichever it reports) without SGLang's 300 s
         t0 = time.monotonic()
-        r = httpx.post(router.url + "/v1/completions", json={**body, "min_p": 0.5}, timeout=300)
-        assert r.status_code in (400, 500) and "'min_p' changes how the first token is drawn" in r.text, r.text
+        r = httpx.post(router.url + "/v1/completions", json={**body, "regex": "[a-z ]+"}, timeout=300)
+        assert r.status_code in (400, 500) and "'regex' changes how the first token is drawn" in r.text, r.text
         assert time.monotonic() - t0 < 30
         assert check_all(router.url, decode, requests(decode, model, token_ids=False)[:1]) == []
         assert prefill.wait_pool_empty() == 0

@@ -107,9 +107,13 @@ COMMON = (
     # fields the gateway forwards to a decode unread: any JSON passes here
     + [(f, v, None) for f in ("user", "best_of", "suffix", "response_format", "", "\u0000", "x" * 300, "🙂")
        for v in (5, -10**30, "x" * 20000, [1, "a", None], {"a": {"b": []}}, nested(100), None, "🙂\u2028")]
-    + typed("stop_token_ids", [5, "x", {"a": 1}, [1.5], ["5"], [None], nested(50)])
-    + [("stop_token_ids", v, None) for v in (None, [], [1, 2])]
-    # and those the first token alone (transfer mode local) cannot apply: refused, named
+    + typed("stop_token_ids", [5, "x", {"a": 1}, [1.5], [None], nested(50)])
+    + [("stop_token_ids", v, None) for v in (None, [], [1, 2], ["5"])]  # (vLLM's request class reads "5" as 5)
+    + [(f, v, "vocabulary") for f in ("stop_token_ids", "allowed_token_ids") for v in ([VOCAB], [-1], [3, 10**30])]
+    + typed("allowed_token_ids", [[], 5, "x", [1.5], [None], nested(50)]) + [("allowed_token_ids", [7, 8], None)]
+    + [("logit_bias", v, "vocabulary") for v in ({str(VOCAB): 1}, {"-1": 2})]
+    + [("logit_bias", v, None) for v in ({"7": 1e30}, {"7": "-2.5"}, {})]
+    # malformed, or (echo) what the first token alone (transfer mode local) cannot apply: refused, named
     + [(f, v, f if v is not None else None) for f in ("echo", "logit_bias")
        for v in (5, -10**30, "x" * 20000, [1, "a", None], {"a": {"b": []}}, nested(100), None, "🙂\u2028")]
 )

@@ -121,7 +121,7 @@ def test_stop_strings_and_stop_token_ids_end_the_answer_as_in_vllm(client):
         (" P", "stop", "ar")
     _, a = _ask(client, "completion", stop="ar", include_stop_str_in_output=True)
     assert a["choices"][0]["text"] == " Par"
-    _, a = _ask(client, "completion", stop_token_ids=[t])
+    _, a = _ask(client, "completion", stop_token_ids=[str(t)])  # (vLLM's request class reads "7" as 7)
     choice = a["choices"][0]
     assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == ("", "stop", t)
     _, a = _ask(client, "completion", stop=["London"])
@@ -146,8 +146,17 @@ def test_min_tokens_keeps_the_stop_tokens_out_of_the_first_token(client, local_s
     assert b["choices"][0]["finish_reason"] == "stop"  # (no min_tokens: drawn, and it ends the answer)
     # the end tokens are banned too (ignore_eos or not), as vLLM's all_stop_token_ids holds them
     eos = local_service.eos_token_ids
-    assert first_draw.stop_bans(1, [first], eos) == tuple(sorted({first, *eos}))
-    assert first_draw.stop_bans(0, [first], eos) == first_draw.stop_bans(None, None, eos) == ()
+    assert first_draw.stop_bans(1, (first,), eos) == tuple(sorted({first, *eos}))
+    assert first_draw.stop_bans(0, (first,), eos) == first_draw.stop_bans(None, (), eos) == ()
+    # the other fields vLLM's sampler applies reach the engine too (tests/serving/test_first_draw.py
+    # checks each against vLLM's sampler)
+    ids = local_service.tokenizer.encode(PROMPT["completion"]["prompt"])
+    for fields in ({"logit_bias": {str(second): 100}}, {"allowed_token_ids": [second, 7]},
+                   {"repetition_penalty": 50.0, "prompt": ids + [first] + ids}):  # (" Paris" in the prompt)
+        _, b = _ask(client, "completion", logprobs=0, return_tokens_as_token_ids=True, **fields)
+        assert b["choices"][0]["logprobs"]["tokens"][0] != f"token_id:{first}", (fields, b)
+    _, b = _ask(client, "completion", logprobs=0, return_tokens_as_token_ids=True, prompt=ids + [first] + ids)
+    assert b["choices"][0]["logprobs"]["tokens"][0] == f"token_id:{first}"  # (the penalty made the difference)
     status, b = _ask(client, "completion", min_tokens=1, stop_token_ids=5)
     assert status == 400 and b["error"]["param"] == "stop_token_ids"
 
@@ -171,17 +180,13 @@ def test_the_end_token_ends_the_answer_unless_ignore_eos(local_service):
 @pytest.mark.parametrize("kind,fields,param", [
     ("completion", {"echo": True}, "echo"),
     ("completion", {"prompt_logprobs": 1}, "prompt_logprobs"),
-    ("completion", {"min_p": 0.2}, "min_p"),
-    ("completion", {"repetition_penalty": 1.3}, "repetition_penalty"),
-    ("completion", {"logit_bias": {"7042": -100}}, "logit_bias"),
-    ("completion", {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
     ("completion", {"bad_words": ["Paris"]}, "bad_words"),
     ("completion", {"structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs"),
     ("completion", {"logprobs": 21}, "logprobs"),
     ("completion", {"logprobs": -1}, "logprobs"),
     ("completion", {"stop_token_ids": 5}, "stop_token_ids"),
     ("completion", {"stop_token_ids": "x"}, "stop_token_ids"),
-    ("chat", {"stop_token_ids": [1, "2"]}, "stop_token_ids"),
+    ("chat", {"stop_token_ids": [1, "x"]}, "stop_token_ids.1"),
     ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
     ("chat", {"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
     ("chat", {"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
@@ -190,7 +195,8 @@ def test_the_end_token_ends_the_answer_unless_ignore_eos(local_service):
 def test_what_the_answer_cannot_apply_is_refused_naming_it(client, kind, fields, param):
     status, a = _ask(client, kind, **fields)
     assert status == 400 and a["error"]["param"] == param, a
-    assert "--decode-url" in a["error"]["message"] or param in ("logprobs", "top_logprobs", "stop_token_ids")
+    assert "--decode-url" in a["error"]["message"] or param.split(".")[0] in ("logprobs", "top_logprobs",
+                                                                            "stop_token_ids")
 
 
 @pytest.mark.parametrize("kind,fields", [

@@ -12,6 +12,7 @@ import pytest
 from vllm_serving_reference import ask
 
 from prefill_server.errors import InvalidRequest
+from prefill_server.serving import first_draw
 from prefill_server.serving import openai_schema as schema
 
 
@@ -30,6 +31,11 @@ VALUES = {
     "min_tokens": [-1, 0, 3],
     "stop": ["", "x", [], [""], ["x", ""], ["x", "y"]],
     "prompt_logprobs": [-2, -1, 0, 1],
+    # token ids (the vocabulary's bounds are checked against the model's size: test_first_draw.py)
+    "logit_bias": [{"3": 1}, {"3": -1.5}, {"3": 1e9}, {"3": "1.5"}, {"3": True}, {"3": None}, {"x": 1}, {" 3": 1},
+                   {"3.0": 1}, {}, [], None, "3"],
+    "stop_token_ids": [[1], [], [1.5], [True], ["1"], "1", 1, None],
+    "allowed_token_ids": [[1], [1, 1], [1.5], [True], ["1"], "1", None],  # ([]: refused by vLLM's verify)
 }
 COMPLETION_ONLY = {"logprobs": [-2, -1, 0, 1, 5]}
 CHAT_ONLY = {"top_logprobs": [-2, -1, 0, 1, 5], "tools": [[], [{"type": "function",
@@ -58,7 +64,7 @@ def _cases() -> list[dict]:
 def _ours(case: dict) -> tuple[bool, str]:
     cls = schema.ChatBody if case["endpoint"] == "chat" else schema.CompletionBody
     try:
-        schema.parse(cls, case["body"])
+        first_draw.openai_sampling(schema.parse(cls, case["body"]), case["body"], (2,), 10**6)
         return True, ""
     except InvalidRequest as e:
         return False, e.field or ""

@@ -81,18 +81,27 @@ def test_sglang_defaults_validate():
 
 
 def test_generate_sampling_is_what_our_first_token_is_drawn_with():
-    """/generate's sampling_params: min_new_tokens bans the stop tokens from our first token (SGLang's
-    min-new-tokens penalizer: stop_token_ids and the end tokens); what we do not apply is refused."""
-    g = sp.parse_generate({"text": "Hi", "sampling_params": {"min_new_tokens": 2, "max_new_tokens": 4,
-                                                             "stop_token_ids": [7, 3], "temperature": 0}}, (2,))
-    assert g.sampling.banned_token_ids == (2, 3, 7) and g.sampling.temperature == 0
-    none = sp.parse_generate({"text": "Hi", "sampling_params": {"min_new_tokens": 0}}, (2,))
+    """/generate's sampling_params as SGLang's sampler takes them: min_new_tokens bans the stop tokens
+    from our first token (its min-new-tokens penalizer: stop_token_ids and the end tokens), min_p and
+    logit_bias (added as sent) apply, the repetition penalty counts output tokens only (none yet);
+    what we do not apply, and token ids outside the vocabulary, are refused."""
+    g = sp.parse_generate({"text": "Hi", "sampling_params": {
+        "min_new_tokens": 2, "max_new_tokens": 4, "stop_token_ids": [7, 3], "temperature": 0, "min_p": 0.1,
+        "repetition_penalty": 1.3, "logit_bias": {"4": 150, "04": -1}}}, (2,), 10)
+    s = g.sampling
+    assert (s.banned_token_ids, s.temperature, s.min_p, s.repetition_penalty) == ((2, 3, 7), 0, 0.1, 1.0)
+    assert s.logit_bias == ((4, -1.0),)  # (equal keys: the last wins, as in SGLang)
+    none = sp.parse_generate({"text": "Hi", "sampling_params": {"min_new_tokens": 0}}, (2,), 10)
     assert none.sampling.banned_token_ids == ()
     for bad, field in [({"min_new_tokens": 5, "max_new_tokens": 4}, "min_new_tokens"),
                        ({"min_new_tokens": -1}, "min_new_tokens"), ({"min_new_tokens": "2"}, "min_new_tokens"),
                        ({"min_new_tokens": 1, "stop_token_ids": "7"}, "stop_token_ids"),
-                       ({"min_p": 0.1}, "min_p")]:
+                       ({"stop_token_ids": [10]}, "stop_token_ids"), ({"logit_bias": {"12": 1}}, "logit_bias"),
+                       ({"min_p": 1.5}, "min_p"), ({"repetition_penalty": 2.5}, "repetition_penalty"),
+                       ({"regex": "[a-z]+"}, "regex")]:
         with pytest.raises(InvalidRequest) as e:
-            sp.parse_generate({"text": "Hi", "sampling_params": bad}, (2,))
+            sp.parse_generate({"text": "Hi", "sampling_params": bad}, (2,), 10)
         assert e.value.field == f"sampling_params.{field}"
-    sp.check_sampling({"min_tokens": 3, "presence_penalty": 0.5})  # (OpenAI bodies: applied / output tokens only)
+    sp.check_sampling({"min_tokens": 3, "presence_penalty": 0.5, "min_p": 0.2, "repetition_penalty": 1.2})
+    with pytest.raises(InvalidRequest, match="allowed_token_ids"):
+        sp.check_sampling({"allowed_token_ids": [1, 2]})  # (SGLang's decode would ignore it after our token)

@@ -58,7 +58,7 @@ def test_grpc_first_token_text(metaspace):
 
 
 def test_sglang_generate_answer(metaspace):
-    g = sp.parse_generate({"input_ids": [HELLO]})
+    g = sp.parse_generate({"input_ids": [HELLO]}, (), 10)
     assert sp.first_text(metaspace, g, [HELLO], WORLD) == " world"
     assert sp.first_text(metaspace, g, [HELLO], 10**6) == ""
 
@@ -69,8 +69,8 @@ def test_sglang_generate_special_tokens(tmp_path):
     t.add_special_tokens(["</s>"])
     t.save(str(tmp_path / "tokenizer.json"))
     tok = Tokenizer(tmp_path)
-    assert sp.first_text(tok, sp.parse_generate({"text": "Hello"}), [HELLO], EOS) == ""  # SGLang's default skips it
-    keep = sp.parse_generate({"text": "Hello", "sampling_params": {"skip_special_tokens": False}})
+    assert sp.first_text(tok, sp.parse_generate({"text": "Hello"}, (), 10), [HELLO], EOS) == ""  # SGLang's default skips it
+    keep = sp.parse_generate({"text": "Hello", "sampling_params": {"skip_special_tokens": False}}, (), 10)
     assert sp.first_text(tok, keep, [HELLO], EOS) == "</s>"
     with pytest.raises(sp.InvalidRequest, match="skip_special_tokens"):
-        sp.parse_generate({"text": "Hello", "sampling_params": {"skip_special_tokens": "no"}})
+        sp.parse_generate({"text": "Hello", "sampling_params": {"skip_special_tokens": "no"}}, (), 10)

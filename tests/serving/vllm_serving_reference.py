@@ -28,6 +28,14 @@
         with the defaults of ``vllm serve`` and system_fingerprint "fp-ref") sends for an engine
         whose outputs are those tokens, one per step: where usage and system_fingerprint go.
 
+    .venv-vllm/bin/python tests/serving/vllm_serving_reference.py draws < cases.json
+        stdin: a JSON list of {"logits": one row, "prompt": token ids, "eos": the end token, "params":
+        request fields (temperature, top_p, top_k, min_p, repetition_penalty, logit_bias,
+        allowed_token_ids, min_tokens, stop_token_ids)}; stdout: for each, what vLLM v1's ``Sampler``
+        (its built-in logits processors, ``SamplingMetadata`` as the input batch fills it for a first
+        token, ``logprobs_mode="processed_logits"``) draws from: {"greedy": the token or null,
+        "logits": the processed row, null where -inf}.
+
 Tests (in our venv) call ``ask(mode, payload)``, which runs this file in .venv-vllm.
 """
 from __future__ import annotations
@@ -167,6 +175,49 @@ def streams(cases: list[dict]) -> list[list[str]]:
     return [asyncio.run(run(case)) for case in cases]
 
 
+def draws(cases: list[dict]) -> list[dict]:
+    import math
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.sample.logits_processor import BUILTIN_LOGITS_PROCESSORS, LogitsProcessors
+    from vllm.v1.sample.logits_processor.state import BatchUpdateBuilder
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.sample.sampler import Sampler
+
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=1))
+    out = []
+    for case in cases:
+        logits = torch.tensor([case["logits"]], dtype=torch.float32)
+        vocab, prompt = logits.shape[1], case["prompt"]
+        sp = SamplingParams.from_optional(**{"max_tokens": 16, **case["params"]})
+        sp.update_from_generation_config({}, eos_token_id=case["eos"])
+        procs = [cls(config, torch.device("cpu"), False) for cls in BUILTIN_LOGITS_PROCESSORS]
+        batch = BatchUpdateBuilder(added=[(0, sp, prompt, [])]).get_and_reset(1)
+        for proc in procs:
+            proc.update_state(batch)
+        allowed = None
+        if sp.allowed_token_ids:
+            allowed = torch.ones(1, vocab, dtype=torch.bool)
+            allowed[0, sp.allowed_token_ids] = False
+        greedy = sp.temperature < 1e-5
+        meta = SamplingMetadata(
+            temperature=None if greedy else torch.tensor([sp.temperature]), all_greedy=greedy, all_random=not greedy,
+            top_p=None if sp.top_p == 1.0 else torch.tensor([sp.top_p]),
+            top_k=None if sp.top_k in (0, -1) else torch.tensor([sp.top_k]), generators={}, max_num_logprobs=-1,
+            no_penalties=sp.repetition_penalty == 1.0, prompt_token_ids=torch.tensor([prompt]),
+            frequency_penalties=torch.zeros(1), presence_penalties=torch.zeros(1),
+            repetition_penalties=torch.tensor([sp.repetition_penalty]), output_token_ids=[[]],
+            allowed_token_ids_mask=allowed, bad_words_token_ids={}, logitsprocs=LogitsProcessors(procs))
+        res = Sampler(logprobs_mode="processed_logits")(logits.clone(), meta)
+        row = res.logprobs_tensors.logprobs[0].tolist()
+        out.append({"greedy": int(res.sampled_token_ids[0, 0]) if greedy else None,
+                    "logits": [x if math.isfinite(x) else None for x in row]})
+    return out
+
+
 if __name__ == "__main__":
-    mode = {"bodies": bodies, "roles": roles, "messages": messages, "shapes": shapes, "streams": streams}[sys.argv[1]]
+    mode = {"bodies": bodies, "roles": roles, "messages": messages, "shapes": shapes, "streams": streams,
+            "draws": draws}[sys.argv[1]]
     json.dump(mode(None if sys.argv[1] == "shapes" else json.load(sys.stdin)), sys.stdout)

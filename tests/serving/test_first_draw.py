@@ -1,0 +1,84 @@
+"""The first token drawn here (a server without a decode; an SGLang decode's first token) is drawn
+from what vLLM v1's own ``Sampler`` draws from: each request's sampling fields, through
+``first_draw.openai_sampling`` and the engine's sampler, against vLLM 0.32's sampler with its
+built-in logits processors (``vllm_serving_reference.py draws``) on the same logits row."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from prefill_server.engine.sampling import draw_logits, sample_first_token
+from prefill_server.errors import InvalidRequest
+from prefill_server.serving import first_draw
+from prefill_server.serving import openai_schema as schema
+from vllm_serving_reference import ask
+
+VOCAB, EOS = 64, 5
+PROMPT = [3, 9, 9, 17, 40, 41]
+
+
+def _row(seed: int) -> list[float]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(VOCAB, generator=g) * 3).tolist()
+
+
+def _ours(params: dict):
+    raw = {"prompt": "x", **params}
+    return first_draw.openai_sampling(schema.parse(schema.CompletionBody, raw), raw, (EOS,), VOCAB)
+
+
+def _cases() -> list[tuple[list[float], dict]]:
+    rows = [_row(s) for s in range(8)]
+    top = [sorted(range(VOCAB), key=r.__getitem__, reverse=True) for r in rows]
+    return [
+        (rows[0], {"temperature": 0.0, "min_tokens": 1, "stop_token_ids": [top[0][0]]}),
+        (rows[1], {"temperature": 0.0, "min_tokens": 2, "max_tokens": 4}),
+        (rows[2], {"temperature": 0.0, "repetition_penalty": 1.7}),
+        (rows[3], {"temperature": 0.0, "logit_bias": {str(top[3][-1]): 1000, str(top[3][0]): -30.5}}),
+        (rows[4], {"temperature": 0.0, "allowed_token_ids": [top[4][7], top[4][3], 60]}),
+        (rows[5], {"temperature": 0.7, "min_p": 0.1, "top_k": 10, "top_p": 0.8}),
+        (rows[6], {"temperature": 1.3, "repetition_penalty": 0.8, "logit_bias": {"7": 4.0}, "min_tokens": 1,
+                   "allowed_token_ids": [7, EOS, 9, 17, 30, 31, 32], "stop_token_ids": [30], "top_p": 0.95}),
+        (rows[7], {"temperature": 1.0, "top_p": 0.5}),
+    ]
+
+
+def test_the_first_token_is_drawn_from_what_vllm_draws_from():
+    cases = _cases()
+    theirs = ask("draws", [{"logits": row, "prompt": PROMPT, "eos": EOS, "params": params} for row, params in cases])
+    for (row, params), ref in zip(cases, theirs):
+        s = _ours(params)
+        x = draw_logits(torch.tensor(row), s, tuple(PROMPT))
+        if ref["greedy"] is not None:
+            assert sample_first_token(torch.tensor(row), s, tuple(PROMPT)) == ref["greedy"], params
+        kept = [i for i, v in enumerate(ref["logits"]) if v is not None]
+        assert [i for i in range(VOCAB) if math.isfinite(float(x[i]))] == kept, params
+        assert x[kept].tolist() == pytest.approx([ref["logits"][i] for i in kept], rel=1e-5, abs=1e-5), params
+        assert all(sample_first_token(torch.tensor(row), s, tuple(PROMPT)) in kept for _ in range(5))
+
+
+def test_sglang_decodes_count_the_repetition_penalty_on_output_tokens_only():
+    raw = {"prompt": "x", "repetition_penalty": 1.5, "logit_bias": {"3": 250}}
+    s = first_draw.openai_sampling(schema.parse(schema.CompletionBody, raw), raw, (EOS,), VOCAB, sglang=True)
+    assert s.repetition_penalty == 1.0 and s.logit_bias == ((3, 250.0),)  # (and SGLang adds biases unclamped)
+
+
+@pytest.mark.parametrize("params,field", [
+    ({"stop_token_ids": [VOCAB]}, "stop_token_ids"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"stop_token_ids": "5"}, "stop_token_ids"), ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"allowed_token_ids": [1, VOCAB + 3]}, "allowed_token_ids"), ({"allowed_token_ids": [1.5]}, "allowed_token_ids"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {str(VOCAB): 1}}, "logit_bias"),
+    ({"logit_bias": {"3": "big"}}, "logit_bias"), ({"logit_bias": [3, 1]}, "logit_bias"),
+])
+def test_token_ids_outside_the_vocabulary_are_refused_naming_the_field(params, field):
+    with pytest.raises(InvalidRequest) as e:
+        _ours(params)
+    assert e.value.field.split(".")[0] == field  # (a list's or an object's entry: "logit_bias.3")
+
+
+def test_no_token_left_is_a_clear_error():
+    s = _ours({"temperature": 0.0, "min_tokens": 1, "allowed_token_ids": [EOS], "stop_token_ids": []})
+    with pytest.raises(InvalidRequest, match="allowed"):
+        sample_first_token(torch.tensor(_row(0)), s)
