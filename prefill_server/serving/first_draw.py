@@ -29,12 +29,14 @@ def openai_sampling(b, raw: dict, eos_ids: tuple[int, ...], vocab: int, sglang: 
     if allowed == ():  # (vLLM refuses it when it checks the ids against the model)
         raise InvalidRequest("'allowed_token_ids' is empty: list at least one token id, or leave it out",
                              field="allowed_token_ids")
+    bans = stop_bans(b.min_tokens, stop_ids, eos_ids)
+    check_left(bans, allowed, vocab)
     return SamplingParams(temperature=b.temperature if b.temperature is not None else 1.0,
                           top_p=b.top_p if b.top_p is not None else 1.0,
                           top_k=b.top_k if b.top_k is not None else -1, seed=b.seed, min_p=b.min_p or 0.0,
                           repetition_penalty=1.0 if sglang or b.repetition_penalty is None else b.repetition_penalty,
                           logit_bias=logit_bias(b.logit_bias, vocab, "", clamp=not sglang),
-                          allowed_token_ids=allowed, banned_token_ids=stop_bans(b.min_tokens, stop_ids, eos_ids))
+                          allowed_token_ids=allowed, banned_token_ids=bans)
 
 
 def token_ids(value, field: str, vocab: int) -> tuple[int, ...]:
@@ -83,6 +85,17 @@ def stop_bans(min_tokens, stop_token_ids: tuple[int, ...], eos_ids) -> tuple[int
     end tokens and ``stop_token_ids``, checked), as vLLM's min-tokens logits processor and SGLang's
     min-new-tokens penalizer mask them until that many tokens are out (``ignore_eos`` or not)."""
     return tuple(sorted(set(eos_ids).union(stop_token_ids))) if min_tokens else ()
+
+
+def check_left(bans: tuple[int, ...], allowed: tuple[int, ...] | None, vocab: int, where: str = "") -> None:
+    """Refuse a request whose first token could be none (every allowed token a banned stop token)."""
+    if not bans:
+        return
+    left = bool(set(allowed) - set(bans)) if allowed is not None else len(set(bans)) < vocab
+    if not left:
+        field = f"{where}allowed_token_ids" if allowed is not None else f"{where}stop_token_ids"
+        raise InvalidRequest("no token is left to draw: every allowed token is a stop token, which min_tokens bans "
+                             "until that many tokens are out; allow more tokens or lower min_tokens", field=field)
 
 
 def check(fields: dict, who: str, where: str = "", also: dict | None = None) -> None:

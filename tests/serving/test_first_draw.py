@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from prefill_server.engine.sampling import draw_logits, sample_first_token
+from prefill_server.engine.types import SamplingParams
 from prefill_server.errors import InvalidRequest
 from prefill_server.serving import first_draw
 from prefill_server.serving import openai_schema as schema
@@ -78,7 +79,14 @@ def test_token_ids_outside_the_vocabulary_are_refused_naming_the_field(params, f
     assert e.value.field.split(".")[0] == field  # (a list's or an object's entry: "logit_bias.3")
 
 
-def test_no_token_left_is_a_clear_error():
-    s = _ours({"temperature": 0.0, "min_tokens": 1, "allowed_token_ids": [EOS], "stop_token_ids": []})
-    with pytest.raises(InvalidRequest, match="allowed"):
+def test_no_token_left_is_a_clear_error_before_any_prefill():
+    with pytest.raises(InvalidRequest, match="no token is left") as e:
+        _ours({"min_tokens": 1, "allowed_token_ids": [EOS, 7], "stop_token_ids": [7]})
+    assert e.value.field == "allowed_token_ids"
+    with pytest.raises(InvalidRequest, match="no token is left") as e:
+        _ours({"min_tokens": 1, "stop_token_ids": list(range(VOCAB))})
+    assert e.value.field == "stop_token_ids"
+    _ours({"min_tokens": 1, "stop_token_ids": list(range(1, VOCAB))})  # (token 0 is left)
+    s = SamplingParams(temperature=0.0, allowed_token_ids=(EOS,), banned_token_ids=(EOS,))
+    with pytest.raises(InvalidRequest, match="allowed"):  # (and the sampler's own guard)
         sample_first_token(torch.tensor(_row(0)), s)

@@ -98,7 +98,8 @@ def test_generate_sampling_is_what_our_first_token_is_drawn_with():
                        ({"min_new_tokens": 1, "stop_token_ids": "7"}, "stop_token_ids"),
                        ({"stop_token_ids": [10]}, "stop_token_ids"), ({"logit_bias": {"12": 1}}, "logit_bias"),
                        ({"min_p": 1.5}, "min_p"), ({"repetition_penalty": 2.5}, "repetition_penalty"),
-                       ({"regex": "[a-z]+"}, "regex")]:
+                       ({"regex": "[a-z]+"}, "regex"),
+                       ({"min_new_tokens": 1, "stop_token_ids": list(range(10))}, "stop_token_ids")]:
         with pytest.raises(InvalidRequest) as e:
             sp.parse_generate({"text": "Hi", "sampling_params": bad}, (2,), 10)
         assert e.value.field == f"sampling_params.{field}"
