@@ -1,6 +1,6 @@
 """How a request's fields reach the first token drawn here (SGLang decodes; a server without a
 decode): the engine's sampler applies temperature, top_p, top_k, seed, min_p, the repetition
-penalty, logit_bias, allowed_token_ids and min_tokens (the stop tokens banned); ``check`` refuses a
+penalty, logit_bias, allowed_token_ids, bad_words and min_tokens (the stop tokens banned); ``check`` refuses a
 request setting a field it does not apply, naming it, rather than answering from a token drawn
 without it. Token ids are checked against the vocabulary as vLLM checks them (400, not an index
 error later)."""
@@ -14,22 +14,26 @@ from prefill_server.errors import InvalidRequest
 
 # field (vLLM's and SGLang's names) -> the value that means "off" (null, {} and [] do too). Presence and
 # frequency penalties count output tokens only, so they leave the first token as it is.
-_NOT_APPLIED = {"bad_words": None, "logits_processors": None, "structured_outputs": None, "json_schema": None,
-                "regex": None, "ebnf": None, "structural_tag": None, "custom_logit_processor": None,
-                "use_beam_search": False}
-# SGLang has no allowed_token_ids: its decode would draw every later token without them
-SGLANG_NOT_APPLIED = {"allowed_token_ids": None}
+_NOT_APPLIED = {"logits_processors": None, "structured_outputs": None, "json_schema": None, "regex": None,
+                "ebnf": None, "structural_tag": None, "custom_logit_processor": None, "use_beam_search": False}
+# SGLang has neither: its decode would draw every later token without them
+SGLANG_NOT_APPLIED = {"allowed_token_ids": None, "bad_words": None}
+MAX_BAD_WORDS = 128  # vLLM's VLLM_MAX_NUM_BAD_WORDS default
 
 
-def openai_sampling(b, raw: dict, eos_ids: tuple[int, ...], vocab: int, sglang: bool = False) -> SamplingParams:
+def openai_sampling(b, raw: dict, eos_ids: tuple[int, ...], vocab: int, sglang: bool = False,
+                    tokenizer=None) -> SamplingParams:
     """How the first token is drawn for a parsed OpenAI body ``b`` (``raw``: as sent): by vLLM's rules,
-    or (``sglang``) by an SGLang decode's, whose repetition penalty counts output tokens only."""
+    or (``sglang``) by an SGLang decode's, whose repetition penalty counts output tokens only
+    (``tokenizer``: for ``bad_words``)."""
     stop_ids = token_ids(b.stop_token_ids, "stop_token_ids", vocab)
     allowed = None if b.allowed_token_ids is None else token_ids(b.allowed_token_ids, "allowed_token_ids", vocab)
     if allowed == ():  # (vLLM refuses it when it checks the ids against the model)
         raise InvalidRequest("'allowed_token_ids' is empty: list at least one token id, or leave it out",
                              field="allowed_token_ids")
     bans = stop_bans(b.min_tokens, stop_ids, eos_ids)
+    if b.bad_words and tokenizer is not None:
+        bans = tuple(sorted(set(bans).union(bad_word_bans(b.bad_words, tokenizer))))
     check_left(bans, allowed, vocab)
     return SamplingParams(temperature=b.temperature if b.temperature is not None else 1.0,
                           top_p=b.top_p if b.top_p is not None else 1.0,
@@ -80,6 +84,28 @@ def logit_bias(value, vocab: int, where: str, clamp: bool) -> tuple[tuple[int, f
     return tuple(out.items())
 
 
+def bad_word_bans(words: list[str], tokenizer) -> tuple[int, ...]:
+    """The token ids ``bad_words`` keep from the first token, as vLLM builds and applies them: each
+    word tokenized without and with a leading space (the second kept only where it is another word of
+    as many tokens); a word of one token is never drawn, a longer one only after its first tokens
+    were, which no first token follows."""
+    variants: list[list[int]] = []
+    for word in words:
+        for space in ("", " "):
+            ids = tokenizer.encode(space + word.lstrip(), add_special_tokens=False)
+            if not ids:
+                if not space:
+                    raise InvalidRequest("bad_words entries must tokenize to at least one token: drop empty or "
+                                         "blank words", field="bad_words")
+                continue
+            if not space or (ids[0] != variants[-1][0] and len(ids) == len(variants[-1])):
+                variants.append(ids)
+    if len(variants) > MAX_BAD_WORDS:
+        raise InvalidRequest(f"too many bad words after tokenization: {len(variants)}, at most {MAX_BAD_WORDS} (vLLM's "
+                             "default VLLM_MAX_NUM_BAD_WORDS)", field="bad_words")
+    return tuple(sorted({ids[0] for ids in variants if len(ids) == 1}))
+
+
 def stop_bans(min_tokens, stop_token_ids: tuple[int, ...], eos_ids) -> tuple[int, ...]:
     """The token ids the first token may not be: with ``min_tokens`` >= 1, the stop tokens (the model's
     end tokens and ``stop_token_ids``, checked), as vLLM's min-tokens logits processor and SGLang's
@@ -94,8 +120,9 @@ def check_left(bans: tuple[int, ...], allowed: tuple[int, ...] | None, vocab: in
     left = bool(set(allowed) - set(bans)) if allowed is not None else len(set(bans)) < vocab
     if not left:
         field = f"{where}allowed_token_ids" if allowed is not None else f"{where}stop_token_ids"
-        raise InvalidRequest("no token is left to draw: every allowed token is a stop token, which min_tokens bans "
-                             "until that many tokens are out; allow more tokens or lower min_tokens", field=field)
+        raise InvalidRequest("no token is left to draw: every allowed token is banned (a stop token while min_tokens "
+                             "is not reached, or a bad word); allow more tokens, lower min_tokens or drop bad words",
+                             field=field)
 
 
 def check(fields: dict, who: str, where: str = "", also: dict | None = None) -> None:

@@ -201,7 +201,7 @@ class Gateway:
         """How the first token is drawn (it is the client's with SGLang decodes and without a decode)."""
         svc = self.service
         return first_draw.openai_sampling(body, raw, svc.eos_token_ids, svc.info.vocab_size,
-                                          sglang=svc.backend.reads_first_token)
+                                          sglang=svc.backend.reads_first_token, tokenizer=svc.tokenizer)
 
     def _check_model(self, raw: dict, name: str | None) -> None:
         # sglang-router names a chat without "model" "unknown" (and /generate's null) to its workers

@@ -4,11 +4,11 @@ as vLLM 0.32 answers a request that ends after one token.
 
 The engine draws the token with the sampling fields vLLM's sampler applies to a first token
 (``first_draw.openai_sampling``: temperature, top_p, top_k, min_p, seed, the repetition penalty,
-logit_bias, allowed_token_ids, min_tokens) and gives its raw logprobs; the answer
+logit_bias, allowed_token_ids, bad_words, min_tokens) and gives its raw logprobs; the answer
 applies what vLLM's output processing applies to one token: the end-of-sequence token (unless
 ``ignore_eos``), ``stop_token_ids``, ``stop`` strings (``include_stop_str_in_output``) and
 ``skip_special_tokens``; ``stream`` gets server-sent events. A field that would have changed which
-token is drawn (bad words, logits processors, structured output, beam search) or added to the answer
+token is drawn (logits processors, structured output, beam search) or added to the answer
 (echo, prompt logprobs) is refused, naming it, rather than answered as if it were absent.
 """
 from __future__ import annotations

@@ -42,6 +42,7 @@ class _Body(BaseModel):
     logit_bias: dict[str, float] | None = None
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def _limit(self) -> int | None:
         return self.max_tokens

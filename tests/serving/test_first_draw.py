@@ -60,6 +60,32 @@ def test_the_first_token_is_drawn_from_what_vllm_draws_from():
         assert all(sample_first_token(torch.tensor(row), s, tuple(PROMPT)) in kept for _ in range(5))
 
 
+def test_bad_words_keep_their_one_token_forms_from_the_first_token(local_service):
+    """vLLM tokenizes each bad word with and without a leading space; a form of one token is banned
+    from the first token (longer ones need their first tokens drawn before): against vLLM's own
+    ``update_from_tokenizer`` and sampler with the same tokenizer files."""
+    tok, vocab = local_service.tokenizer, local_service.info.vocab_size
+    path = str(local_service.info.path)
+    words = ["Paris", " London", "the capital", "xylophone", "é"]
+    one = [tok.encode(w, add_special_tokens=False)[0] for w in (" Paris", "Paris", " London", "London")]
+    g = torch.Generator().manual_seed(3)
+    row = (torch.randn(vocab, generator=g) * 2)
+    row[one] += 40.0  # (the banned forms would win)
+    params = {"temperature": 0.0, "bad_words": words}
+    (ref,) = ask("draws", [{"logits": row.tolist(), "prompt": PROMPT, "eos": EOS, "params": params,
+                            "tokenizer": path}])
+    raw = {"prompt": "x", **params}
+    s = first_draw.openai_sampling(schema.parse(schema.CompletionBody, raw), raw, (EOS,), vocab, tokenizer=tok)
+    assert set(one) <= set(s.banned_token_ids)
+    x = draw_logits(row, s, tuple(PROMPT))
+    assert sample_first_token(row, s, tuple(PROMPT)) == ref["greedy"]
+    assert [i for i in range(vocab) if not math.isfinite(float(x[i]))] == \
+        [i for i, v in enumerate(ref["logits"]) if v is None]
+    with pytest.raises(InvalidRequest, match="at least one token"):
+        first_draw.openai_sampling(schema.parse(schema.CompletionBody, {"prompt": "x", "bad_words": [" "]}),
+                                   {}, (EOS,), vocab, tokenizer=tok)
+
+
 def test_sglang_decodes_count_the_repetition_penalty_on_output_tokens_only():
     raw = {"prompt": "x", "repetition_penalty": 1.5, "logit_bias": {"3": 250}}
     s = first_draw.openai_sampling(schema.parse(schema.CompletionBody, raw), raw, (EOS,), VOCAB, sglang=True)

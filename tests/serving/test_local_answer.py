@@ -151,7 +151,7 @@ def test_min_tokens_keeps_the_stop_tokens_out_of_the_first_token(client, local_s
     # the other fields vLLM's sampler applies reach the engine too (tests/serving/test_first_draw.py
     # checks each against vLLM's sampler)
     ids = local_service.tokenizer.encode(PROMPT["completion"]["prompt"])
-    for fields in ({"logit_bias": {str(second): 100}}, {"allowed_token_ids": [second, 7]},
+    for fields in ({"logit_bias": {str(second): 100}}, {"allowed_token_ids": [second, 7]}, {"bad_words": ["Paris"]},
                    {"repetition_penalty": 50.0, "prompt": ids + [first] + ids}):  # (" Paris" in the prompt)
         _, b = _ask(client, "completion", logprobs=0, return_tokens_as_token_ids=True, **fields)
         assert b["choices"][0]["logprobs"]["tokens"][0] != f"token_id:{first}", (fields, b)
@@ -180,7 +180,6 @@ def test_the_end_token_ends_the_answer_unless_ignore_eos(local_service):
 @pytest.mark.parametrize("kind,fields,param", [
     ("completion", {"echo": True}, "echo"),
     ("completion", {"prompt_logprobs": 1}, "prompt_logprobs"),
-    ("completion", {"bad_words": ["Paris"]}, "bad_words"),
     ("completion", {"structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs"),
     ("completion", {"logprobs": 21}, "logprobs"),
     ("completion", {"logprobs": -1}, "logprobs"),

@@ -36,6 +36,9 @@ VALUES = {
                    {"3.0": 1}, {}, [], None, "3"],
     "stop_token_ids": [[1], [], [1.5], [True], ["1"], "1", 1, None],
     "allowed_token_ids": [[1], [1, 1], [1.5], [True], ["1"], "1", None],  # ([]: refused by vLLM's verify)
+    # (each word's tokens: test_first_draw.py; null, which vLLM's request class refuses, is taken as absent
+    # here: SGLang decodes' clients may send it, and a vLLM decode still answers it with its own 400)
+    "bad_words": [["x"], [], [1], "x", [None]],
 }
 COMPLETION_ONLY = {"logprobs": [-2, -1, 0, 1, 5]}
 CHAT_ONLY = {"top_logprobs": [-2, -1, 0, 1, 5], "tools": [[], [{"type": "function",

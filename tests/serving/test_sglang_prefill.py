@@ -104,5 +104,6 @@ def test_generate_sampling_is_what_our_first_token_is_drawn_with():
             sp.parse_generate({"text": "Hi", "sampling_params": bad}, (2,), 10)
         assert e.value.field == f"sampling_params.{field}"
     sp.check_sampling({"min_tokens": 3, "presence_penalty": 0.5, "min_p": 0.2, "repetition_penalty": 1.2})
-    with pytest.raises(InvalidRequest, match="allowed_token_ids"):
-        sp.check_sampling({"allowed_token_ids": [1, 2]})  # (SGLang's decode would ignore it after our token)
+    for field, value in (("allowed_token_ids", [1, 2]), ("bad_words", ["x"])):
+        with pytest.raises(InvalidRequest, match=field):  # (SGLang's decode would ignore it after our token)
+            sp.check_sampling({field: value})

@@ -31,7 +31,8 @@
     .venv-vllm/bin/python tests/serving/vllm_serving_reference.py draws < cases.json
         stdin: a JSON list of {"logits": one row, "prompt": token ids, "eos": the end token, "params":
         request fields (temperature, top_p, top_k, min_p, repetition_penalty, logit_bias,
-        allowed_token_ids, min_tokens, stop_token_ids)}; stdout: for each, what vLLM v1's ``Sampler``
+        allowed_token_ids, min_tokens, stop_token_ids, bad_words), "tokenizer": a model folder (for
+        bad_words, through vLLM's ``update_from_tokenizer``)}; stdout: for each, what vLLM v1's ``Sampler``
         (its built-in logits processors, ``SamplingMetadata`` as the input batch fills it for a first
         token, ``logprobs_mode="processed_logits"``) draws from: {"greedy": the token or null,
         "logits": the processed row, null where -inf}.
@@ -193,6 +194,9 @@ def draws(cases: list[dict]) -> list[dict]:
         vocab, prompt = logits.shape[1], case["prompt"]
         sp = SamplingParams.from_optional(**{"max_tokens": 16, **case["params"]})
         sp.update_from_generation_config({}, eos_token_id=case["eos"])
+        if case.get("tokenizer"):
+            from vllm.tokenizers.registry import get_tokenizer
+            sp.update_from_tokenizer(get_tokenizer(case["tokenizer"]))
         procs = [cls(config, torch.device("cpu"), False) for cls in BUILTIN_LOGITS_PROCESSORS]
         batch = BatchUpdateBuilder(added=[(0, sp, prompt, [])]).get_and_reset(1)
         for proc in procs:
@@ -209,7 +213,8 @@ def draws(cases: list[dict]) -> list[dict]:
             no_penalties=sp.repetition_penalty == 1.0, prompt_token_ids=torch.tensor([prompt]),
             frequency_penalties=torch.zeros(1), presence_penalties=torch.zeros(1),
             repetition_penalties=torch.tensor([sp.repetition_penalty]), output_token_ids=[[]],
-            allowed_token_ids_mask=allowed, bad_words_token_ids={}, logitsprocs=LogitsProcessors(procs))
+            allowed_token_ids_mask=allowed, logitsprocs=LogitsProcessors(procs),
+            bad_words_token_ids={0: sp.bad_words_token_ids} if sp.bad_words_token_ids else {})
         res = Sampler(logprobs_mode="processed_logits")(logits.clone(), meta)
         row = res.logprobs_tensors.logprobs[0].tolist()
         out.append({"greedy": int(res.sampled_token_ids[0, 0]) if greedy else None,
