@@ -69,7 +69,8 @@ def _processed(logits: torch.Tensor, p: SamplingParams, prompt_ids: tuple[int, .
         x.index_add_(0, index(t for t, _ in pairs), torch.tensor([b for _, b in pairs], dtype=x.dtype,
                                                                   device=x.device))
     if p.repetition_penalty != 1.0 and prompt_ids:
-        seen = torch.unique(index(prompt_ids))
+        seen = torch.as_tensor(prompt_ids, dtype=torch.long).unique()  # (a 1M-token prompt: no Python loop)
+        seen = seen[(seen >= 0) & (seen < v)].to(x.device)
         s = x[seen]
         x[seen] = torch.where(s > 0, s / p.repetition_penalty, s * p.repetition_penalty)
     if not bool(torch.isfinite(x).any()):

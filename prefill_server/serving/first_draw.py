@@ -75,12 +75,11 @@ def logit_bias(value, vocab: int, where: str, clamp: bool) -> tuple[tuple[int, f
                                  field=field) from None
         if not 0 <= t < vocab:
             raise InvalidRequest(f"'{field}' key {t} is outside the vocabulary: ids are 0 to {vocab - 1}", field=field)
-        if clamp and isinstance(bias, float) and not math.isnan(bias):  # (parsed as vLLM's request: a float)
-            out[t] = min(100.0, max(-100.0, bias))
-            continue
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+        # (vLLM clamps an infinite bias too; SGLang would add it)
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias) or \
+                (not clamp and math.isinf(bias)):
             raise InvalidRequest(f"'{field}' bias for {t} must be a finite number", field=field)
-        out[t] = float(bias)
+        out[t] = min(100.0, max(-100.0, float(bias))) if clamp else float(bias)
     return tuple(out.items())
 
 
