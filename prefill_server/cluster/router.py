@@ -21,7 +21,7 @@ A worker whose last report is older than ``SILENT_S`` (hung: Serve's calls to it
 ranked after every answering one, so new requests go around it until its health check removes it.
 
 The caller passes hints in the request dict under ``"_hints"``: ``num_tokens``, ``prefix`` (block
-hashes, ``prefix_hashes``), ``replica`` (this worker only: a release goes where its KV is),
+hashes, ``prefix_hashes``), ``replica`` (this worker: a release goes where its KV is; any, if it is gone),
 ``avoid`` (workers not to use: a retry after one died) and ``request_id`` (``routed_to`` answers
 where Serve sent it, before the worker says so itself).
 
@@ -101,8 +101,16 @@ class PrefillRouter(RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         hints = hints_of(pending_request)
+        if pending_request is not None:
+            # Serve asks again at once, without awaiting anything, while this answers no replica and
+            # the flag is off (only its locality mixins set it): its routing loop would spin and
+            # starve every other request and its replica updates
+            pending_request.routing_context.should_backoff = True
         if (want := hints.get("replica")) is not None:
-            return [[r for r in candidate_replicas if r.replica_id.unique_id == want]]
+            # a release for a worker that is gone (its leases went with it) is answered by any
+            # other as "not held", rather than waiting for a worker that never comes back
+            named = [r for r in candidate_replicas if r.replica_id.unique_id == want]
+            return [named or list(candidate_replicas)]
         avoid = set(hints.get("avoid") or ())
         cands = [r for r in candidate_replicas if r.replica_id.unique_id not in avoid] or list(candidate_replicas)
         answering = [r for r in cands if not self.silent(r)]

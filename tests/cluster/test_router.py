@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -38,7 +39,8 @@ def make_router(policy: str, slack: int = 1000) -> PrefillRouter:
 
 def pending(n_tokens: int = 0, method: str = "run", **hints):
     return SimpleNamespace(args=[{"_hints": {"num_tokens": n_tokens, **hints}}], kwargs={},
-                           metadata=SimpleNamespace(call_method=method, internal_request_id=f"i{id(hints)}{n_tokens}"))
+                           metadata=SimpleNamespace(call_method=method, internal_request_id=f"i{id(hints)}{n_tokens}"),
+                           routing_context=SimpleNamespace(should_backoff=False))
 
 
 def choose(router, replicas, req):
@@ -172,7 +174,7 @@ def test_a_named_replica_and_an_avoided_one():
     router = make_router("least-tokens")
     a, b = Replica("a"), Replica("b", {"pending_tokens": 10**6})
     assert choose(router, [a, b], pending(method="release", replica="b")) == "b"
-    assert asyncio.run(router.choose_replicas([a], pending(replica="b"))) == [[]]  # gone: nowhere
+    assert choose(router, [a], pending(method="release", replica="b")) == "a"  # gone: any answers "not held"
     assert choose(router, [a, b], pending(1, avoid=["a"])) == "b"
     assert choose(router, [a], pending(1, avoid=["a"])) == "a"  # all avoided: any
 
@@ -207,3 +209,41 @@ def test_the_router_says_where_serve_sent_a_request():
     assert router.routed_to("pf-1") == name
     other = "b" if name == "a" else "a"
     assert choose(router, [a, b], pending(10, request_id="pf-1", avoid=[name])) == other
+
+
+def serve_routing_loop(router: PrefillRouter, replicas: list[Replica]) -> PrefillRouter:
+    """What Serve's own retry loop (``_choose_replicas_with_backoff``) reads of a router it built."""
+    router._replicas = {r.name: r for r in replicas}
+    router._replicas_list = list(replicas)
+    router.num_routing_tasks_in_backoff = 0
+    router.num_routing_tasks_in_backoff_gauge = SimpleNamespace(set=lambda _v: None)
+    router.initial_backoff_s, router.backoff_multiplier, router.max_backoff_s = 0.025, 2.0, 0.5
+    return router
+
+
+@pytest.mark.parametrize("hints", [{"replica": "gone"}, {"replica": "a"}, {"avoid": ["a", "b"]}, {}])
+def test_serves_routing_loop_gets_a_replica_or_backs_off(hints):
+    """Serve asks ``choose_replicas`` again at once, awaiting nothing, until it answers a replica or
+    sets ``should_backoff``: an empty answer (a release for a worker that had just died) spun the
+    gateway's routing loop for good, so no request was routed and no new worker was seen. Driven
+    through Serve's own loop, in a thread, so a spin fails the test instead of hanging it."""
+    from ray.serve.request_router import PendingRequest
+
+    router = serve_routing_loop(make_router("least-tokens"), [Replica("a"), Replica("b")])
+    got: list[list[str]] = []
+    backs_off: list[bool] = []  # were no replica to answer, Serve would sleep before asking again
+
+    async def first_candidates():
+        req = PendingRequest(args=[{"_hints": {"num_tokens": 1, **hints}}], kwargs={},
+                             metadata=SimpleNamespace(call_method="release", internal_request_id="r1"))
+        gen = router._choose_replicas_with_backoff(req)
+        got.append([r.name for r in await gen.__anext__()])
+        await gen.aclose()
+        backs_off.append(req.routing_context.should_backoff)
+
+    t = threading.Thread(target=asyncio.run, args=(first_candidates(),), daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "Serve's routing loop spins on this router's answer"
+    assert got and got[0] and (hints.get("replica") != "a" or got[0] == ["a"]), got
+    assert backs_off == [True]
