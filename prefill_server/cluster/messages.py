@@ -28,7 +28,7 @@ def request_to_dict(r: PrefillRequest) -> dict[str, Any]:
                          "min_p": s.min_p, "repetition_penalty": s.repetition_penalty,
                          "logit_bias": [[t, b] for t, b in s.logit_bias],
                          "allowed_token_ids": None if s.allowed_token_ids is None else list(s.allowed_token_ids),
-                         "banned_token_ids": list(s.banned_token_ids)},
+                         "banned_token_ids": list(s.banned_token_ids), "sampler": s.sampler},
             "route": r.route.value, "num_logprobs": r.num_logprobs, "room_tokens": r.room_tokens,
             "decode_url": r.decode_url}
 

@@ -1,6 +1,8 @@
 """First-token sampling on one logits row, in the order of vLLM v1's sampler: allowed token ids,
 banned tokens and logit bias, the repetition penalty over the prompt, then greedy, or temperature,
-min-p, top-k, top-p."""
+min-p, top-k, top-p. For an SGLang decode (``SamplingParams.sampler == "sglang"``) the filters after
+temperature follow SGLang's sampler instead: top-k and top-p together on the whole distribution, or,
+with min-p, top-k, top-p on what top-k left, then min-p (its default FlashInfer backend)."""
 from __future__ import annotations
 
 import torch
@@ -31,6 +33,8 @@ def draw_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: tuple[
     if params.temperature < SAMPLING_EPS:
         return x
     x = x.float() / params.temperature
+    if params.sampler == "sglang":
+        return _sglang_filters(x, params)
     if params.min_p > 0.0:  # (vLLM: after temperature, before top-k / top-p)
         probs = torch.softmax(x, dim=-1)
         x = x.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
@@ -45,6 +49,28 @@ def draw_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: tuple[
         drop[si[keep]] = False
         x = x.masked_fill(drop, float("-inf"))
     return x
+
+
+def _sglang_filters(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """x [V] (after temperature) -> the same with every token SGLang's sampler would not draw at -inf.
+    Without min-p both of its backends keep the tokens inside top-k and inside top-p of the whole
+    distribution (FlashInfer's "joint" order; its PyTorch backend likewise). With min-p, FlashInfer
+    renormalizes after top-k, takes top-p of that, then min-p against the largest probability."""
+    probs = torch.softmax(x, dim=-1)
+    sp, si = torch.sort(probs, descending=True)
+    keep = torch.ones_like(sp, dtype=torch.bool)
+    if p.top_k > 0:
+        keep[p.top_k:] = False
+    if p.top_p < 1.0:
+        base = sp * keep if p.min_p > 0.0 else sp
+        base = base / base.sum()
+        keep &= torch.cumsum(base, 0) - base <= p.top_p
+    if p.min_p > 0.0:
+        keep &= sp >= sp[0] * p.min_p
+    keep[0] = True
+    drop = torch.ones_like(keep)
+    drop[si[keep]] = False
+    return x.masked_fill(drop, float("-inf"))
 
 
 def _processed(logits: torch.Tensor, p: SamplingParams, prompt_ids: tuple[int, ...]) -> torch.Tensor:

@@ -23,6 +23,7 @@ class SamplingParams:
     # token ids the first token may not be: the stop tokens while a request's min_tokens is not reached
     banned_token_ids: tuple[int, ...] = ()
     # (token ids outside the vocabulary are ignored here: the serving layer refuses them)
+    sampler: str = "vllm"  # whose top-k / top-p / min-p rules draw it: "vllm", or "sglang" for its decodes
 
     def validate(self) -> None:
         if not (self.temperature >= 0.0):
@@ -35,6 +36,8 @@ class SamplingParams:
             raise InvalidRequest("min_p must be in [0, 1]", field="min_p")
         if not (self.repetition_penalty > 0.0):
             raise InvalidRequest("repetition_penalty must be > 0", field="repetition_penalty")
+        if self.sampler not in ("vllm", "sglang"):
+            raise InvalidRequest("sampler must be 'vllm' or 'sglang'", field="sampler")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise InvalidRequest("allowed_token_ids must not be empty", field="allowed_token_ids")
 

@@ -40,7 +40,7 @@ def openai_sampling(b, raw: dict, eos_ids: tuple[int, ...], vocab: int, sglang: 
                           top_k=b.top_k if b.top_k is not None else -1, seed=b.seed, min_p=b.min_p or 0.0,
                           repetition_penalty=1.0 if sglang or b.repetition_penalty is None else b.repetition_penalty,
                           logit_bias=logit_bias(b.logit_bias, vocab, "", clamp=not sglang),
-                          allowed_token_ids=allowed, banned_token_ids=bans)
+                          allowed_token_ids=allowed, banned_token_ids=bans, sampler="sglang" if sglang else "vllm")
 
 
 def token_ids(value, field: str, vocab: int) -> tuple[int, ...]:

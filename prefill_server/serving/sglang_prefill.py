@@ -148,7 +148,7 @@ def parse_generate(raw: dict, eos_ids: tuple[int, ...], vocab: int) -> Generate:
     sampling = SamplingParams(temperature=float(number("temperature", 1.0)), top_p=float(number("top_p", 1.0)),
                               top_k=-1 if top_k <= 0 or top_k >= TOP_K_ALL else top_k, seed=seed, min_p=float(min_p),
                               logit_bias=first_draw.logit_bias(s.get("logit_bias"), vocab, "sampling_params.", False),
-                              banned_token_ids=first_draw.stop_bans(min_new, stop_ids, eos_ids))
+                              banned_token_ids=first_draw.stop_bans(min_new, stop_ids, eos_ids), sampler="sglang")
     first_draw.check_left(sampling.banned_token_ids, None, vocab, "sampling_params.")
     num_logprobs = None
     if raw.get("return_logprob") is True:

@@ -11,7 +11,8 @@ from prefill_server.engine.types import PrefillRequest, SamplingParams
 
 def test_a_request_survives_its_dict():
     s = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=11, min_p=0.05, repetition_penalty=1.2,
-                       logit_bias=((4, -2.5), (7, 100.0)), allowed_token_ids=(4, 7, 9), banned_token_ids=(2, 9))
+                       logit_bias=((4, -2.5), (7, 100.0)), allowed_token_ids=(4, 7, 9), banned_token_ids=(2, 9),
+                       sampler="sglang")
     for sampling in (s, SamplingParams()):
         r = PrefillRequest("r1", (1, 2, 3), sampling, route=Route.STREAM, num_logprobs=2, room_tokens=1,
                            decode_url="http://d:1")

@@ -4,7 +4,11 @@ from what vLLM v1's own ``Sampler`` draws from: each request's sampling fields, 
 built-in logits processors (``vllm_serving_reference.py draws``) on the same logits row."""
 from __future__ import annotations
 
+import ast
+import dataclasses
 import math
+import pathlib
+from typing import Optional
 
 import pytest
 import torch
@@ -16,6 +20,7 @@ from prefill_server.serving import first_draw
 from prefill_server.serving import openai_schema as schema
 from vllm_serving_reference import ask
 
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 VOCAB, EOS = 64, 5
 PROMPT = [3, 9, 9, 17, 40, 41]
 
@@ -90,6 +95,64 @@ def test_sglang_decodes_count_the_repetition_penalty_on_output_tokens_only():
     raw = {"prompt": "x", "repetition_penalty": 1.5, "logit_bias": {"3": 250}}
     s = first_draw.openai_sampling(schema.parse(schema.CompletionBody, raw), raw, (EOS,), VOCAB, sglang=True)
     assert s.repetition_penalty == 1.0 and s.logit_bias == ((3, 250.0),)  # (and SGLang adds biases unclamped)
+    assert s.sampler == "sglang" and _ours({}).sampler == "vllm"
+
+
+def _sglang_sampler():
+    """SGLang 0.5.23's own PyTorch-backend filter (``sampler.top_k_top_p_min_p_sampling_from_probs_torch``),
+    its source read from .venv-sglang and run here (its module imports SGLang's server, which that
+    venv does not hold)."""
+    files = sorted(ROOT.glob(".venv-sglang/lib/python3*/site-packages/sglang/srt/layers/sampler.py"))
+    if not files:
+        pytest.skip(".venv-sglang is missing (bash scripts/setup_sglang.sh)")
+    tree = ast.parse(files[0].read_text())
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef)
+              and n.name == "top_k_top_p_min_p_sampling_from_probs_torch")
+    scope = {"torch": torch, "Optional": Optional}
+    exec(compile(ast.Module([fn], []), str(files[0]), "exec"), scope)
+    return scope[fn.name]
+
+
+SGLANG_FILTERS = [{"top_k": 5}, {"top_p": 0.6}, {"top_k": 20, "top_p": 0.7}, {"top_k": 3, "top_p": 0.95},
+                  {"min_p": 0.2}, {"top_k": 8, "min_p": 0.05}, {"top_p": 0.8, "min_p": 0.1}, {"top_p": 0.3},
+                  {"temperature": 0.5, "top_k": 40, "top_p": 0.5}, {"temperature": 2.0, "top_k": 30, "top_p": 0.9}]
+
+
+@pytest.mark.parametrize("params", SGLANG_FILTERS)
+def test_an_sglang_decodes_first_token_is_drawn_from_what_sglang_draws_from(params):
+    """SGLang keeps the tokens inside top-k and inside top-p of the whole distribution (vLLM takes
+    top-p of what top-k left: fewer tokens), then min-p: the first token drawn here for an SGLang
+    decode comes from the tokens SGLang's own filter keeps. (With top-k, top-p and min-p all set its
+    two backends differ: see the next test.)"""
+    sglang = _sglang_sampler()
+    for seed in range(6):
+        row = torch.tensor(_row(100 + seed))
+        p = SamplingParams(**{"temperature": 1.0, **params}, sampler="sglang")
+        probs = torch.softmax(row / p.temperature, dim=-1)[None]
+        _, kept_probs, idx, _ = sglang(probs.clone(), torch.tensor([p.top_k if p.top_k > 0 else VOCAB]),
+                                       torch.tensor([p.top_p]), torch.tensor([p.min_p]), p.min_p > 0, None,
+                                       torch.tensor([0]), return_filtered_probs=True)
+        theirs = sorted(idx[0][kept_probs[0] > 0].tolist())
+        x = draw_logits(row, p)
+        assert [i for i in range(VOCAB) if math.isfinite(float(x[i]))] == theirs, (params, seed)
+        assert all(sample_first_token(row, p) in theirs for _ in range(5))
+
+
+def test_sglang_with_top_k_top_p_and_min_p_follows_its_default_backend():
+    """With all three, SGLang's default (FlashInfer) backend renormalizes after top-k, takes top-p of
+    that, then min-p against the largest probability (``top_k_renorm_prob``, ``top_p_renorm_prob``,
+    ``min_p_sampling_from_probs``, GPU kernels this machine cannot run: checked against that reading)."""
+    row = torch.tensor(_row(7))
+    p = SamplingParams(temperature=1.0, top_k=12, top_p=0.6, min_p=0.08, sampler="sglang")
+    probs = torch.softmax(row, dim=-1)
+    order = torch.argsort(probs, descending=True).tolist()
+    top = probs[order[:12]] / probs[order[:12]].sum()
+    n_p = next(i + 1 for i in range(12) if float(top[: i + 1].sum()) >= 0.6)
+    want = sorted(t for t in order[:n_p] if probs[t] >= probs[order[0]] * 0.08)
+    x = draw_logits(row, p)
+    assert [i for i in range(VOCAB) if math.isfinite(float(x[i]))] == want
+    vllm = draw_logits(row, dataclasses.replace(p, sampler="vllm"))  # (min-p first, then top-k, top-p)
+    assert torch.isfinite(vllm).sum() <= len(want)
 
 
 @pytest.mark.parametrize("params,field", [

@@ -90,6 +90,7 @@ def test_generate_sampling_is_what_our_first_token_is_drawn_with():
         "repetition_penalty": 1.3, "logit_bias": {"4": 150, "04": -1}}}, (2,), 10)
     s = g.sampling
     assert (s.banned_token_ids, s.temperature, s.min_p, s.repetition_penalty) == ((2, 3, 7), 0, 0.1, 1.0)
+    assert s.sampler == "sglang"
     assert s.logit_bias == ((4, -1.0),)  # (equal keys: the last wins, as in SGLang)
     none = sp.parse_generate({"text": "Hi", "sampling_params": {"min_new_tokens": 0}}, (2,), 10)
     assert none.sampling.banned_token_ids == ()
