@@ -160,7 +160,8 @@ def assert_all_ended_and_the_pool_recovers(pool: str, victim: int, results, ende
         if code == 503:
             assert "worker" in text and "retry" in text, text
     assert max(s for _, _, s in results) < 100
-    assert min(t for t in ended_ok if t > fault_at) - fault_at < 30, "nothing served within 30 s of the fault"
+    after = [t for t in ended_ok if t > fault_at]
+    assert after and min(after) - fault_at < 30, f"nothing served within 30 s of the fault: {workers(pool)}"
     # Serve replaces the lost worker (its model loads in ~30-60 s on this 2-core box)
     assert wait_for(lambda: len(workers(pool)) == 2 and victim not in {w["stats"].get("pid") for w in workers(pool)},
                     180), workers(pool)
