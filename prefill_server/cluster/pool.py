@@ -6,7 +6,8 @@ this process (``engine/worker.py``), answered by whichever worker the router pic
                        once one worker runs (the rest may still load, or wait for a free GPU)
     submit(req)        a future of the PrefillResult; the worker that computed it keeps its KV
     start_stream(req)  (future of kv_transfer_params, future of the result)
-    release(rid)       to the worker that holds the request (cancel, or end its lease)
+    release(rid)       to the worker that holds the request (cancel, or end its lease); held back
+                       while that worker is silent, dropped once it is gone
 
 Recovery: a worker that dies is replaced by Serve (one that hangs too: its health check fails). A
 request on it fails with ``WorkerLost`` (503), or is run once more on another worker when the decode
@@ -53,6 +54,7 @@ WORKER_SILENT_S = 30.0
 # a running worker takes a request at once; one sent to a hung worker (Serve reserves a slot there
 # first, and that call never returns) is taken back after this long and sent elsewhere
 ACCEPT_S = 10.0
+RELEASE_WAIT_S = 600.0  # a release waits this long for its silent worker to answer or be replaced
 _LEASES_REMEMBERED = 100_000  # request id -> worker, for release; far longer than any lease lives
 
 
@@ -250,6 +252,18 @@ class RayPool:
         return True
 
     async def _release(self, request_id: str, worker: str) -> None:
+        # Sent to a hung worker, the call would hold one of Serve's routing tasks (two per worker) until
+        # it timed out, delaying every other request's routing: it waits until the worker answers again
+        # (a slow one keeps its KV otherwise) or is gone (its leases went with it)
+        deadline = time.monotonic() + RELEASE_WAIT_S
+        while (r := self._router()) is not None and worker in r.running_ids() and not r.answering(worker):
+            if time.monotonic() > deadline:
+                log.warning("pool: release of %s not sent: worker %s silent for %g s", request_id, worker,
+                            RELEASE_WAIT_S)
+                return
+            await asyncio.sleep(0.5)
+        if worker not in self._running_ids():
+            return
         try:
             await asyncio.wait_for(self._handle.release.remote({"request_id": request_id,
                                                                 "_hints": {"replica": worker}}), CALL_TIMEOUT_S)

@@ -120,6 +120,11 @@ class PrefillRouter(RequestRouter):
         ranks = [[best], [r for r in answering if r is not best], [r for r in cands if r not in answering]]
         return [rank for rank in ranks if rank]
 
+    def answering(self, replica_id: str) -> bool:
+        """This running worker reports its load (False: it is hung or gone)."""
+        r = next((r for r in list(self._replicas.values()) if r.replica_id.unique_id == replica_id), None)
+        return r is not None and not self.silent(r)
+
     def silent(self, r: RunningReplica) -> bool:
         """No load report from this worker for ``SILENT_S`` (a hung worker: Serve's calls to it never
         return, so a request sent there waits until the health check removes it)."""

@@ -194,6 +194,7 @@ def test_a_worker_whose_reports_stopped_is_tried_last(policy):
         router.on_request_routed(pending(1), SimpleNamespace(unique_id=ranks[0][0].name), None)
     router._replicas = {r.name: r for r in (hung, busy, fresh)}
     assert {w["worker"]: w["answering"] for w in router.workers()} == {"a": False, "b": True, "c": True}
+    assert [router.answering(n) for n in ("a", "b", "c", "gone")] == [False, True, True, False]
     only = asyncio.run(router.choose_replicas([hung], pending(1)))
     assert [[r.name for r in rank] for rank in only] == [["a"]]  # none answers: still tried
 
