@@ -256,14 +256,14 @@ class RayPool:
         # it timed out, delaying every other request's routing: it waits until the worker answers again
         # (a slow one keeps its KV otherwise) or is gone (its leases went with it)
         deadline = time.monotonic() + RELEASE_WAIT_S
-        while (r := self._router()) is not None and worker in r.running_ids() and not r.answering(worker):
+        while not ((r := self._router()) and r.answering(worker)):
+            if r is None or worker not in r.running_ids():
+                return
             if time.monotonic() > deadline:
                 log.warning("pool: release of %s not sent: worker %s silent for %g s", request_id, worker,
                             RELEASE_WAIT_S)
                 return
             await asyncio.sleep(0.5)
-        if worker not in self._running_ids():
-            return
         try:
             await asyncio.wait_for(self._handle.release.remote({"request_id": request_id,
                                                                 "_hints": {"replica": worker}}), CALL_TIMEOUT_S)

@@ -45,9 +45,7 @@ def draw_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: tuple[
         sp, si = torch.sort(torch.softmax(x, dim=-1), descending=True)
         keep = torch.cumsum(sp, 0) - sp < params.top_p
         keep[0] = True  # always keep the top token, however small top_p is
-        drop = torch.ones_like(x, dtype=torch.bool)
-        drop[si[keep]] = False
-        x = x.masked_fill(drop, float("-inf"))
+        x = _keep_sorted(x, si, keep)
     return x
 
 
@@ -56,20 +54,22 @@ def _sglang_filters(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     Without min-p both of its backends keep the tokens inside top-k and inside top-p of the whole
     distribution (FlashInfer's "joint" order; its PyTorch backend likewise). With min-p, FlashInfer
     renormalizes after top-k, takes top-p of that, then min-p against the largest probability."""
-    probs = torch.softmax(x, dim=-1)
-    sp, si = torch.sort(probs, descending=True)
-    keep = torch.ones_like(sp, dtype=torch.bool)
+    sp, si = torch.sort(torch.softmax(x, dim=-1), descending=True)
+    keep = torch.ones_like(sp, dtype=torch.bool)  # (each filter keeps the top token)
     if p.top_k > 0:
         keep[p.top_k:] = False
     if p.top_p < 1.0:
-        base = sp * keep if p.min_p > 0.0 else sp
-        base = base / base.sum()
+        base = sp * keep / (sp * keep).sum() if p.min_p > 0.0 else sp
         keep &= torch.cumsum(base, 0) - base <= p.top_p
     if p.min_p > 0.0:
         keep &= sp >= sp[0] * p.min_p
-    keep[0] = True
+    return _keep_sorted(x, si, keep)
+
+
+def _keep_sorted(x: torch.Tensor, order: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """x [V] with -inf wherever ``keep`` [V] (in ``order``, x's indices sorted) is False."""
     drop = torch.ones_like(keep)
-    drop[si[keep]] = False
+    drop[order[keep]] = False
     return x.masked_fill(drop, float("-inf"))
 
 
