@@ -62,13 +62,15 @@ def build_request(prompt: str | Sequence[int] | None = None, *, messages: Sequen
                   chat: dict | None = None, model: str | None = None, temperature: float | None = None,
                   top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
                   request_id: str | None = None, return_prompt_token_ids: bool = False,
-                  add_special_tokens: bool | None = None, transfer_mode: str | None = None) -> pb.PrefillRequest:
+                  add_special_tokens: bool | None = None, transfer_mode: str | None = None,
+                  cache_salt: str | None = None) -> pb.PrefillRequest:
     """prompt: text or token ids; or messages: [{"role": ..., "content": ...}, ...]; or chat: an
     OpenAI chat request body (messages with tool calls or reasoning, tools, chat_template_kwargs...),
-    rendered as the HTTP chat endpoint renders it. The server validates everything (and names the
+    rendered as the HTTP chat endpoint renders it. cache_salt: the prompt's cached KV is shared only
+    with requests of the same salt (vLLM's field). The server validates everything (and names the
     field it rejects)."""
     req = pb.PrefillRequest(model=model or "", request_id=request_id or "",
-                            return_prompt_token_ids=return_prompt_token_ids)
+                            return_prompt_token_ids=return_prompt_token_ids, cache_salt=cache_salt or "")
     if isinstance(prompt, str):
         req.text = prompt
     elif prompt is not None:

@@ -51,7 +51,7 @@ class PrefillClient:
                 **kwargs) -> PrefillResult:
         """prompt: text or token ids, or ``messages=[{"role", "content"}, ...]``, or ``chat=`` an OpenAI
         chat request body; other keywords: see ``build_request`` (model, temperature, top_p, top_k,
-        seed, request_id, return_prompt_token_ids, add_special_tokens, transfer_mode)."""
+        seed, request_id, return_prompt_token_ids, add_special_tokens, transfer_mode, cache_salt)."""
         return to_result(self._call(self.stub.Prefill, build_request(prompt, **kwargs), timeout))
 
     def prefill_stream(self, prompt: str | Sequence[int] | None = None, *, timeout: float | None = None,

@@ -30,7 +30,7 @@ def request_to_dict(r: PrefillRequest) -> dict[str, Any]:
                          "allowed_token_ids": None if s.allowed_token_ids is None else list(s.allowed_token_ids),
                          "banned_token_ids": list(s.banned_token_ids), "sampler": s.sampler},
             "route": r.route.value, "num_logprobs": r.num_logprobs, "room_tokens": r.room_tokens,
-            "decode_url": r.decode_url}
+            "decode_url": r.decode_url, "cache_salt": r.cache_salt}
 
 
 def request_from_dict(d: dict[str, Any]) -> PrefillRequest:
@@ -40,7 +40,8 @@ def request_from_dict(d: dict[str, Any]) -> PrefillRequest:
     s["banned_token_ids"] = tuple(int(t) for t in s.get("banned_token_ids", ()))
     return PrefillRequest(str(d["request_id"]), tuple(int(t) for t in d["prompt_token_ids"]),
                           SamplingParams(**s), route=Route(d["route"]), num_logprobs=d["num_logprobs"],
-                          room_tokens=int(d["room_tokens"]), decode_url=d["decode_url"])
+                          room_tokens=int(d["room_tokens"]), decode_url=d["decode_url"],
+                          cache_salt=d.get("cache_salt"))
 
 
 def result_to_dict(r: PrefillResult) -> dict[str, Any]:

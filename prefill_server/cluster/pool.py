@@ -39,6 +39,7 @@ from prefill_server.cluster.replica import PrefillReplica, ReplicaSpec, mark_rea
 from prefill_server.cluster.router import PrefillRouter, prefix_hashes
 from prefill_server.config import EngineConfig, PoolConfig, ServerConfig
 from prefill_server.engine import build
+from prefill_server.engine.prefix_cache import with_client_salt
 from prefill_server.engine.types import PrefillRequest, WorkerLoad
 from prefill_server.engine.worker import Progress, context_len
 from prefill_server.errors import NoWorker, PrefillError, WorkerLost
@@ -181,7 +182,8 @@ class RayPool:
         body = msg.request_to_dict(req)
         hints: dict[str, Any] = {"num_tokens": len(req.prompt_token_ids), "request_id": req.request_id}
         if self.config.routing == "prefix":
-            hints["prefix"] = prefix_hashes(req.prompt_token_ids, self.block_size, self.cache_salt)
+            hints["prefix"] = prefix_hashes(req.prompt_token_ids, self.block_size,
+                                             with_client_salt(self.cache_salt, req.cache_salt))
         accept_s = self.spec.engine.max_queue_wait_s
         worker = None
         for attempt in (1, 2):

@@ -64,6 +64,7 @@ import torch
 
 from kv_transfer.base import Producer, Route, check_request_id
 from prefill_server.engine.kv_pool import KVPool
+from prefill_server.engine.prefix_cache import check_client_salt
 from prefill_server.engine.priority import lower_thread_priority
 from prefill_server.engine.runner import ModelRunner
 from prefill_server.engine.sampling import MAX_LOGPROBS, first_token_logprobs, sample_first_token
@@ -195,6 +196,7 @@ class Engine:
             raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
                                  field="prompt")
         req.sampling.validate()
+        check_client_salt(req.cache_salt)
         if req.num_logprobs is not None and not 0 <= req.num_logprobs <= MAX_LOGPROBS:
             raise InvalidRequest(f"logprobs must be between 0 and {MAX_LOGPROBS}", field="logprobs")
         check_request_id(req.request_id)
@@ -225,7 +227,7 @@ class Engine:
         fut: Future = Future()
         hashes = None  # (hashed here, outside the lock: a 128K-token prompt takes milliseconds)
         if self.pool.cache is not None:
-            hashes = prompt_hashes(self.pool, req.prompt_token_ids)
+            hashes = prompt_hashes(self.pool, req)
         with self._wake:
             if self.scheduler.find(req.request_id) or self.pool.get_lease(req.request_id):
                 raise InvalidRequest(f"request id {req.request_id!r} is already in use", field="request_id")

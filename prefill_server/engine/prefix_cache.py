@@ -19,12 +19,41 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from prefill_server.errors import InvalidRequest
+
 _DIGEST = 16  # bytes: 2^-64 collision odds at 2^32 blocks (a birthday bound), never a practical risk
 
 
 def salt_of(model: str, dtype: str, block_size: int) -> bytes:
     """The root of every chain: K/V cached for one model, dtype and block size never serve another."""
     return hashlib.blake2b(f"{model}|{dtype}|{block_size}".encode(), digest_size=_DIGEST).digest()
+
+
+# vLLM 0.32's rule for a request's ``cache_salt`` (validate_cache_salt): a non-empty string of at most
+# 128 characters without these (it names cache entries in vLLM's connectors)
+CACHE_SALT_MAX_CHARS, CACHE_SALT_FORBIDDEN = 128, frozenset("@/\\\x00")
+
+
+def check_client_salt(cache_salt: object) -> str | None:
+    """A client's ``cache_salt`` as vLLM takes it (None: none sent), or InvalidRequest naming the fix."""
+    if cache_salt is None:
+        return None
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise InvalidRequest("cache_salt must be a non-empty string if given (or leave it out)", field="cache_salt")
+    if len(cache_salt) > CACHE_SALT_MAX_CHARS or any(c in CACHE_SALT_FORBIDDEN for c in cache_salt):
+        raise InvalidRequest(f"cache_salt must be at most {CACHE_SALT_MAX_CHARS} characters and must not contain "
+                             "'@', '/', '\\' or NUL (as vLLM requires): use e.g. a random base64url string",
+                             field="cache_salt")
+    return cache_salt
+
+
+def with_client_salt(root: bytes, cache_salt: str | None) -> bytes:
+    """The root of a request's chains: ``root`` (the model as run), mixed with the client's
+    ``cache_salt`` where it sent one (vLLM's request field), so that its prompt's blocks are shared
+    only with requests sending the same salt (a tenant's prompts cannot be probed by another's hits)."""
+    if not cache_salt:
+        return root
+    return hashlib.blake2b(root + b"\x00" + cache_salt.encode("utf-8"), digest_size=_DIGEST).digest()
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, salt: bytes, limit: int | None = None) -> list[bytes]:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from kv_transfer.base import Route, StreamProducer
 from prefill_server.engine.kv_pool import KVPool
-from prefill_server.engine.prefix_cache import block_hashes
+from prefill_server.engine.prefix_cache import block_hashes, with_client_salt
 from prefill_server.engine.types import PrefillRequest
 from prefill_server.errors import PoolExhausted, PromptTooLong
 
@@ -227,7 +227,7 @@ class Scheduler:
         if self.pool.cache is None:
             return []
         if seq.block_hashes is None:  # (the engine hashes at submit, outside its lock)
-            seq.block_hashes = prompt_hashes(self.pool, seq.request.prompt_token_ids)
+            seq.block_hashes = prompt_hashes(self.pool, seq.request)
         return self.pool.acquire_prefix(seq.block_hashes[:(seq.num_tokens - 1) // self.pool.block_size])
 
     def advance(self, chunks: list[Chunk]) -> list[Sequence]:
@@ -270,6 +270,6 @@ class Scheduler:
         return None
 
 
-def prompt_hashes(pool: KVPool, token_ids) -> list[bytes]:
-    """Hashes of a prompt's full blocks in ``pool``'s prefix cache (on)."""
-    return block_hashes(token_ids, pool.block_size, pool.cache_salt)
+def prompt_hashes(pool: KVPool, req: PrefillRequest) -> list[bytes]:
+    """Hashes of a request's full prompt blocks in ``pool``'s prefix cache (on)."""
+    return block_hashes(req.prompt_token_ids, pool.block_size, with_client_salt(pool.cache_salt, req.cache_salt))

@@ -59,6 +59,8 @@ class PrefillRequest:
     # route STREAM to an SGLang decode: the room its request carries (a PD router's choice); None =
     # the producer picks one and returns it in the params
     bootstrap_room: int | None = None
+    # the client's ``cache_salt`` (vLLM's field): prefix-cache blocks shared only with the same salt
+    cache_salt: str | None = None
 
 
 @dataclass

@@ -30,6 +30,7 @@ from kv_transfer.vllm.discovery import DecodeFacts
 from prefill_server.config import EngineConfig
 from prefill_server.engine import build
 from prefill_server.engine.engine import Engine
+from prefill_server.engine.prefix_cache import check_client_salt
 from prefill_server.engine.sampling import MAX_LOGPROBS, SAMPLING_EPS
 from prefill_server.engine.types import PrefillRequest, PrefillResult, SamplingParams, Timings, WorkerLoad
 from prefill_server.metrics import Metrics
@@ -37,7 +38,7 @@ from prefill_server.metrics import Metrics
 log = logging.getLogger(__name__)
 
 __all__ = ["MAX_LOGPROBS", "SAMPLING_EPS", "LocalWorker", "PrefillRequest", "PrefillResult", "PrefillWorker",
-           "Progress", "Route", "SamplingParams", "Timings", "WorkerLoad", "build_local_worker"]
+           "Progress", "Route", "SamplingParams", "Timings", "WorkerLoad", "build_local_worker", "check_client_salt"]
 
 
 @dataclass(frozen=True)

@@ -33,12 +33,12 @@ from prefill_server.serving.relay import sse
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stream",
            "stream_options", "n", "user", "ignore_eos", "skip_special_tokens",
            "spaces_between_special_tokens", "frequency_penalty", "presence_penalty",
-           "repetition_penalty", "stop", "stop_token_ids", "return_tokens_as_token_ids", "logprobs"}
+           "repetition_penalty", "stop", "stop_token_ids", "return_tokens_as_token_ids", "logprobs", "cache_salt"}
 _ALLOWED = {"completion": _COMMON | {"prompt", "echo", "best_of"},
             "chat": _COMMON | {"messages", "top_logprobs", "max_completion_tokens"}}
 # Fields the decode must see as given (the rest of the decode's body is built here).
 _PASSED = ("temperature", "top_p", "top_k", "min_p", "seed", "user", "ignore_eos", "skip_special_tokens",
-           "spaces_between_special_tokens", "stop_token_ids")
+           "spaces_between_special_tokens", "stop_token_ids", "cache_salt")
 
 
 # the fields vLLM 0.32's answers carry as null when unused (a client may index them): the answer
@@ -120,6 +120,8 @@ class FirstToken:
     num_prompt_tokens: int
     tokenizer: Any
     cached_tokens: int | None = None  # the prefill's prefix-cache hit, for usage (None: no prefix cache)
+    # ``return_token_ids`` in an answer t1 is all of: the prompt's ids, shown (with [t1]) where vLLM shows them
+    shown_prompt_ids: tuple[int, ...] | None = None
 
     # ---- the decode's request ----
     def decode_body(self, prompt_ids: list[int], served_name: str, kv_transfer_params: dict) -> dict:
@@ -216,15 +218,24 @@ class FirstToken:
         if tokens is not None:
             logprobs = self._chat_lp(*tokens) if self.plan.kind == "chat" else self._completion_lp(*tokens, 0)[0]
         base = {**base, **dict.fromkeys(_NULLS)}
+        ids = self._shown_ids()
         if self.plan.kind == "completion":
             return {**base, "object": "text_completion",
                     "choices": [{"index": 0, "text": text, "logprobs": logprobs, **finish,
-                                 **dict.fromkeys(_COMPLETION_CHOICE_NULLS)}]}
+                                 **dict.fromkeys(_COMPLETION_CHOICE_NULLS), **ids}]}
         base["id"] = "chatcmpl-" + str(base["id"] or uuid.uuid4().hex).removeprefix("cmpl-")
         return {**base, "object": "chat.completion", **dict.fromkeys(_CHAT_NULLS),
+                **{k: v for k, v in ids.items() if k == "prompt_token_ids"},
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text,
                                                      **dict.fromkeys(_MESSAGE_NULLS)},
-                             "logprobs": logprobs, **finish, **dict.fromkeys(_CHAT_CHOICE_NULLS)}]}
+                             "logprobs": logprobs, **finish, **dict.fromkeys(_CHAT_CHOICE_NULLS),
+                             **{k: v for k, v in ids.items() if k == "token_ids"}}]}
+
+    def _shown_ids(self) -> dict:
+        """``return_token_ids``: vLLM's prompt_token_ids and token_ids ({} where not asked)."""
+        if self.shown_prompt_ids is None:
+            return {}
+        return {"prompt_token_ids": list(self.shown_prompt_ids), "token_ids": [self.token_id]}
 
     # ---- streamed answers ----
     def stream_start(self) -> "StreamState":
@@ -272,12 +283,16 @@ class StreamState:
         t1 ends the answer, a server without a decode)."""
         self.model = model
         ft, out = self.ft, b""
+        ids = ft._shown_ids()  # (vLLM: the prompt's ids in the first chunk, each token's in its own)
         if ft.plan.kind == "chat":
             out += self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                  "finish_reason": None}], **self._running_usage(0),
-                               **dict.fromkeys(_STREAM_CHAT_FIRST_NULLS))
+                               **{**dict.fromkeys(_STREAM_CHAT_FIRST_NULLS),
+                                  **{k: v for k, v in ids.items() if k == "prompt_token_ids"}})
+            ids = {k: v for k, v in ids.items() if k == "token_ids"}
         tokens = ft._first_lp() if ft.plan.num_logprobs is not None else None
-        return out + self._chunk([self._choice(ft.text, tokens, finish_reason, stop_reason)], **self._running_usage(1))
+        choice = {**self._choice(ft.text, tokens, finish_reason, stop_reason), **ids}
+        return out + self._chunk([choice], **self._running_usage(1))
 
     def usage(self) -> bytes:
         """The last event of an answer that t1 ends, when ``stream_options.include_usage`` asks."""

@@ -259,7 +259,7 @@ class Gateway:
         """Prefill, keep the KV under a lease for the router's decode, answer one token and the
         kv_transfer_params it forwards (``prefill_instance.py``)."""
         svc = self.service
-        result = await svc.prefill(token_ids, sampling)
+        result = await svc.prefill(token_ids, sampling, cache_salt=raw.get("cache_salt"))
         rid = result.request_id
         try:
             answer = one_token_answer(svc, chat, result, token_ids,
@@ -289,7 +289,8 @@ class Gateway:
         going away aborts it: the decode gets a failed status."""
         svc = self.service
         k = generate.num_logprobs if generate else sp.requested_logprobs("/v1/chat/completions" if chat else "", raw)
-        rid, _, prefill = await svc.start_stream(token_ids, sampling, bootstrap_room=room, num_logprobs=k)
+        rid, _, prefill = await svc.start_stream(token_ids, sampling, bootstrap_room=room, num_logprobs=k,
+                                                 cache_salt=raw.get("cache_salt"))
         try:
             result = await prefill
         except BaseException:
@@ -329,7 +330,8 @@ class Gateway:
             who = ("a prefill instance asked for its first token alone (--decode-url gives it a decode)"
                    if svc.backend.needs_decode else "a server without a decode (--decode-url gives it one)")
             p = local_answer.plan("chat" if path.endswith("chat/completions") else "completion", out, who)
-            result = await svc.prefill(token_ids, sampling, num_logprobs=p.num_logprobs)
+            result = await svc.prefill(token_ids, sampling, num_logprobs=p.num_logprobs,
+                                       cache_salt=out.get("cache_salt"))
             svc.release(result.request_id)
             answer = local_answer.LocalAnswer(p, svc.tokenizer, svc.eos_token_ids, token_ids, result,
                                               svc.info.served_name)
@@ -357,7 +359,7 @@ class Gateway:
             return await self._run_stream(path, out, token_ids, sampling, stream, t0, outcome, decode)
         result = await svc.prefill(token_ids, sampling, num_logprobs=plan.num_logprobs if plan else None,
                                    route=route, room_tokens=backend.room_tokens(route, plan is not None),
-                                   decode_url=decode.decode.url)
+                                   decode_url=decode.decode.url, cache_salt=out.get("cache_salt"))
         first = plan and ft.first_token(plan, svc.tokenizer, svc.eos_token_ids, token_ids,
                                         result.first_token_id, result.first_logprobs, svc.info.max_model_len)
         cached = result.num_cached_tokens if svc.info.prefix_cache else None
@@ -378,7 +380,8 @@ class Gateway:
         with the prefill, which WRITEs each layer as it is computed; the decode answers."""
         svc = self.service
         k = sp.requested_logprobs(path, out) if svc.backend.reads_first_token else None
-        rid, params, prefill = await svc.start_stream(token_ids, sampling, num_logprobs=k)
+        rid, params, prefill = await svc.start_stream(token_ids, sampling, num_logprobs=k,
+                                                      cache_salt=out.get("cache_salt"))
         prefill.add_done_callback(consume)
         return await self._to_decode(_Call(path, out, rid, params, len(token_ids), stream, t0, outcome, decode,
                                            prefill))

@@ -23,6 +23,7 @@ class Prepared:
     sampling: SamplingParams
     tokenize_s: float
     t0: float  # time.monotonic() when the call arrived
+    cache_salt: str | None = None  # the request's (None: none)
 
 
 def sampling_params(s: pb.SamplingParams) -> SamplingParams:

@@ -37,7 +37,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kv_transfer.base import check_request_id
-from prefill_server.engine.worker import PrefillResult
+from prefill_server.engine.worker import PrefillResult, check_client_salt
 from prefill_server.errors import InvalidRequest, PrefillError, PromptTooLong
 from prefill_server.serving.auth import ApiKeys
 from prefill_server.serving.grpc_inputs import (Prepared, chat_messages, chat_request, in_chat_json, input_field,
@@ -167,6 +167,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             raise InvalidRequest("only used with TRANSFER_MODE_PUSH; leave it unset", field="transfer_target")
         if req.request_id:
             check_request_id(req.request_id)
+        salt = check_client_salt(req.cache_salt or None)  # (empty: none, as proto3 has it)
         if req.HasField("add_special_tokens") and field != "text":
             raise InvalidRequest("only applies to text input", field="add_special_tokens")
         sampling = sampling_params(req.sampling)
@@ -189,11 +190,11 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         except PrefillError as e:
             raise _renamed(e, field) from None
         return Prepared(req.request_id or f"grpc-{uuid.uuid4().hex}", field, ids, sampling,
-                        time.monotonic() - t1 if field != "token_ids" else 0.0, t0)
+                        time.monotonic() - t1 if field != "token_ids" else 0.0, t0, salt)
 
     async def _prefill(self, p: Prepared, context: grpc.aio.ServicerContext) -> PrefillResult:
         try:
-            result = await self.service.prefill(p.token_ids, p.sampling, p.request_id)
+            result = await self.service.prefill(p.token_ids, p.sampling, p.request_id, cache_salt=p.cache_salt)
         except PrefillError as e:
             raise _renamed(e, p.input_field) from None
         # From here the KV is leased for the decode. If the call still ends cancelled (deadline hit,

@@ -13,6 +13,7 @@ from typing import Any, Union
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
                       TypeAdapter, ValidationError)
 
+from prefill_server.engine.worker import check_client_salt
 from prefill_server.errors import InvalidRequest
 from prefill_server.serving.chat_messages import system_texts, template_message
 
@@ -43,12 +44,18 @@ class _Body(BaseModel):
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    cache_salt: Any = None  # vLLM's rule, with its message: ``prefix_cache.check_client_salt``
 
     def _limit(self) -> int | None:
         return self.max_tokens
 
+    @classmethod
+    def precheck(cls, body: dict) -> None:
+        """Fields refused before the body's own validation (their message is the useful one)."""
+
     def check(self) -> None:
         """The checks across fields (after each field's own)."""
+        check_client_salt(self.cache_salt)
         if self.stream_options and not self.stream:  # (an empty object passes, as in vLLM)
             raise InvalidRequest("stream_options is only for streamed answers: set \"stream\": true or drop "
                                  "stream_options", field="stream_options")
@@ -69,6 +76,19 @@ class _Body(BaseModel):
 class CompletionBody(_Body):
     prompt: Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]]
     logprobs: StrictInt | None = Field(default=None, ge=-1)  # (-1: the whole vocabulary)
+
+    @classmethod
+    def precheck(cls, body: dict) -> None:
+        # vLLM 0.32 renders a suffix only for models with a fill-in-the-middle format (none of those
+        # served here), and reads prompt_embeds (empty: absent) in place of the prompt's tokens: a KV
+        # computed from the prompt alone would be another prompt's
+        if body.get("prompt_embeds") not in (None, []):
+            raise InvalidRequest("prompt_embeds cannot be prefilled here (the KV is computed from the prompt's "
+                                 "tokens): send the prompt as text or token ids", field="prompt_embeds")
+        if body.get("suffix") is not None:
+            raise InvalidRequest("suffix (fill in the middle) is only supported for models with a FIM completion "
+                                 "format, which none served here has (vLLM refuses it too): put the text in the "
+                                 "prompt, or drop suffix", field="suffix")
 
 
 class ChatMessage(BaseModel):
@@ -111,6 +131,7 @@ _FORMS = {"prompt": "text, a list of token ids (integers), or a list holding one
 def parse(model_cls, body: Any):
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
+    model_cls.precheck(body)
     try:
         parsed = model_cls.model_validate(body)
     except ValidationError as e:

@@ -114,15 +114,18 @@ class PrefillService:
 
     async def prefill(self, token_ids: list[int], sampling: SamplingParams = SamplingParams(),
                       request_id: str | None = None, num_logprobs: int | None = None,
-                      route: Route = Route.LEASE, room_tokens: int = 0, decode_url: str | None = None) -> PrefillResult:
+                      route: Route = Route.LEASE, room_tokens: int = 0, decode_url: str | None = None,
+                      cache_salt: str | None = None) -> PrefillResult:
         """Prefill and hand the KV over (route LEASE or LEASE_FOR_LATER); cancelling the awaiting
         task frees everything at once. num_logprobs: also return the first token's logprobs
         (sampled + top num_logprobs). room_tokens: KV positions leased past the prompt, for a
-        decode sent more tokens (``params_for_prompt``). decode_url: the decode that will read it."""
+        decode sent more tokens (``params_for_prompt``). decode_url: the decode that will read it.
+        cache_salt: the client's (vLLM's field): the prompt's cached blocks are shared only with
+        requests of the same salt."""
         rid = request_id or f"pf-{uuid.uuid4().hex}"
         fut = self.worker.submit(PrefillRequest(rid, tuple(token_ids), sampling, route=route,
                                                 num_logprobs=num_logprobs, room_tokens=room_tokens,
-                                                decode_url=decode_url))
+                                                decode_url=decode_url, cache_salt=cache_salt))
         try:
             return await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
@@ -132,16 +135,18 @@ class PrefillService:
 
     async def start_stream(self, token_ids: list[int], sampling: SamplingParams = SamplingParams(),
                            request_id: str | None = None, *, bootstrap_room: int | None = None,
-                           num_logprobs: int | None = None) -> tuple[str, dict, asyncio.Future]:
+                           num_logprobs: int | None = None,
+                           cache_salt: str | None = None) -> tuple[str, dict, asyncio.Future]:
         """Route STREAM: queue a streamed prefill; returns (request id, the params for the decode's
         request, a future of the PrefillResult). Send the decode its request at once: the prefill
         starts when the decode registers its blocks. ``bootstrap_room``: an SGLang decode's room (a
         router's choice; None: the producer picks one); ``num_logprobs``: the first token's, for a
-        decode that reads them from us (SGLang's aux row)."""
+        decode that reads them from us (SGLang's aux row); ``cache_salt``: as ``prefill``'s."""
         rid = request_id or f"pf-{uuid.uuid4().hex}"
         params, result = self.worker.start_stream(PrefillRequest(rid, tuple(token_ids), sampling, route=Route.STREAM,
                                                                  num_logprobs=num_logprobs,
-                                                                 bootstrap_room=bootstrap_room))
+                                                                 bootstrap_room=bootstrap_room,
+                                                                 cache_salt=cache_salt))
         try:
             return rid, await asyncio.wrap_future(params), asyncio.wrap_future(result)
         except BaseException:  # the client went away, or the worker refused it

@@ -14,6 +14,7 @@ def test_a_request_survives_its_dict():
                        logit_bias=((4, -2.5), (7, 100.0)), allowed_token_ids=(4, 7, 9), banned_token_ids=(2, 9),
                        sampler="sglang")
     for sampling in (s, SamplingParams()):
-        r = PrefillRequest("r1", (1, 2, 3), sampling, route=Route.STREAM, num_logprobs=2, room_tokens=1,
-                           decode_url="http://d:1")
-        assert request_from_dict(json.loads(json.dumps(request_to_dict(r)))) == r
+        for salt in ("tenant-a", None):
+            r = PrefillRequest("r1", (1, 2, 3), sampling, route=Route.STREAM, num_logprobs=2, room_tokens=1,
+                               decode_url="http://d:1", cache_salt=salt)
+            assert request_from_dict(json.loads(json.dumps(request_to_dict(r)))) == r

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from prefill_server.engine.kv_pool import KVPool
-from prefill_server.engine.prefix_cache import block_hashes, salt_of
-from prefill_server.errors import PoolExhausted
+from prefill_server.engine.prefix_cache import block_hashes, check_client_salt, salt_of, with_client_salt
+from prefill_server.errors import InvalidRequest, PoolExhausted
 
 SALT = salt_of("m", "float32", 4)
 
@@ -199,3 +199,21 @@ def test_pool_matches_the_reference_model(seed):
     pool.check()
     assert pool.num_used == 0 and all(pool.refcount(b) == 0 for b in range(nb))
     assert pool.cache.evictions > 0
+
+
+def test_a_client_salt_roots_its_own_chains():
+    root = salt_of("m", "torch.float32", 4)
+    assert with_client_salt(root, None) == root  # no salt: the model's own chains
+    a, b = with_client_salt(root, "tenant-a"), with_client_salt(root, "tenant-b")
+    assert len({root, a, b}) == 3 and with_client_salt(root, "tenant-a") == a
+    ids = list(range(12))
+    chains = [block_hashes(ids, 4, r) for r in (root, a, b)]
+    assert all(len(c) == 3 for c in chains)
+    assert not set(chains[0]) & set(chains[1]) and not set(chains[1]) & set(chains[2])  # no block shared
+    for ok in ("s", "x" * 128, "base64url_-=+"):
+        assert check_client_salt(ok) == ok
+    assert check_client_salt(None) is None
+    for bad in ("", "x" * 129, "a/b", "a@b", "a\\b", "a\x00b", 5, ["s"]):  # vLLM's validate_cache_salt
+        with pytest.raises(InvalidRequest) as ei:
+            check_client_salt(bad)
+        assert ei.value.field == "cache_salt"

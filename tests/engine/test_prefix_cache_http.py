@@ -46,3 +46,29 @@ def test_hit_is_reported_counted_and_reset(service):
                        headers=auth).json()["usage"]
         assert third["prompt_tokens_details"]["cached_tokens"] == 0
     assert service.worker.engine.pool.num_used == 0
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_cache_salt_isolates_tenants_and_is_checked_as_vllm_checks_it(service, path):
+    """vLLM's ``cache_salt``: a prompt's cached blocks serve only requests sending the same salt."""
+    text = "Summarize the quarterly report of the tenant in three short sentences please. " * 4
+    body = {"messages": [{"role": "user", "content": text}]} if "chat" in path else {"prompt": text}
+    with TestClient(create_app(service, None, None)) as c:
+        assert c.post("/reset_prefix_cache").status_code == 200
+
+        def cached(**extra) -> int:
+            r = c.post(path, json={**body, "temperature": 0, "max_tokens": 1, **extra})
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        assert cached(cache_salt="tenant-a") == 0
+        assert cached(cache_salt="tenant-a") >= 48
+        assert cached(cache_salt="tenant-b") == 0 and cached() == 0
+        assert cached(cache_salt="tenant-b") >= 48 and cached() >= 48
+        for bad in ("", "x" * 129, "a/b", "a@b", "a\\b", "a\x00b", 7, ["s"]):
+            r = c.post(path, json={**body, "max_tokens": 1, "cache_salt": bad})
+            assert r.status_code == 400, (bad, r.text)
+            assert r.json()["error"]["param"] == "cache_salt" and "cache_salt" in r.json()["error"]["message"]
+        assert cached(cache_salt="x" * 128) == 0  # vLLM's longest
+        assert c.get("/health").status_code == 200
+    assert service.worker.engine.pool.num_used == 0

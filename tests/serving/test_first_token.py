@@ -94,6 +94,8 @@ def test_merge_completion_puts_t1_first(local_service):
     body = first.decode_body(prompt, "served", {"k": 1})
     assert body["prompt"] == prompt + [t1] and body["max_tokens"] == 3 and body["logprobs"] == 1
     assert body["return_tokens_as_token_ids"] is True and body["kv_transfer_params"] == {"k": 1}
+    salted = ft.plan("completion", {**GREEDY, "cache_salt": "tenant-a"})  # (the decode salts its cache too)
+    assert _first(tok, salted, prompt, t1, ((t1, -0.5),)).decode_body(prompt, "s", {})["cache_salt"] == "tenant-a"
     resp = _decode_completion(tok, [t2, t3], [-0.1, -0.2], [[(t2, -0.1)], [(t3, -0.2), (alt, -2.0)]],
                               prompt_tokens=len(prompt) + 1)
     out = first.merge(resp)

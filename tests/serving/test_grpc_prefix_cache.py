@@ -140,3 +140,19 @@ def test_without_a_prefix_cache_reset_succeeds_and_frees_nothing_as_http_does():
         assert hn.wait_pool_empty() == 0
     finally:
         hn.close()
+
+
+def test_a_cache_salt_shares_cached_blocks_only_with_the_same_salt(h, client):
+    def cached(salt: str | None) -> int:
+        r = client.prefill(HEAD, cache_salt=salt)
+        client.release(r.request_id)
+        return r.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") == 40  # the same salt: its blocks
+    assert cached("tenant-b") == 0 and cached(None) == 0  # another salt, none: not served by them
+    assert cached("tenant-b") == 40 and cached(None) == 40
+    for bad in ("x" * 129, "a/b", "a@b", "a\\b", "a\x00b"):
+        with pytest.raises(PrefillRpcError) as ei:
+            client.prefill(HEAD, cache_salt=bad)
+        assert ei.value.code == CODE.INVALID_ARGUMENT and ei.value.field == "cache_salt", bad

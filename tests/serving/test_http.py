@@ -57,12 +57,22 @@ def test_models_health_metrics(client, local_service):
     ({"prompt": [1, 2, 10**9]}, 400, "vocabulary"),
     ({"prompt": [1] * 9000}, 400, "context"),
     ({}, 400, "prompt"),
+    ({"prompt": "hi", "suffix": " end"}, 400, "suffix"),  # (vLLM: FIM models only)
+    ({"prompt": "hi", "suffix": ""}, 400, "suffix"),
+    ({"prompt_embeds": "AAAA"}, 400, "prompt_embeds"),  # (never another prompt's KV)
+    ({"prompt": "hi", "prompt_embeds": ["AAAA"]}, 400, "prompt_embeds"),
 ])
 def test_bad_completion_input_gets_4xx(client, body, status, needle):
     r = client.post("/v1/completions", json=body)
     assert r.status_code == status, r.text
     assert needle in r.json()["error"]["message"]
     assert client.post("/v1/completions", json={"prompt": "still serving"}).status_code == 200
+
+
+def test_null_suffix_and_empty_prompt_embeds_are_absent_as_in_vllm(client):
+    for extra in ({"suffix": None}, {"prompt_embeds": None}, {"prompt_embeds": []}):
+        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, **extra})
+        assert r.status_code == 200, (extra, r.text)
 
 
 @pytest.mark.parametrize("raw,needle", [

@@ -208,3 +208,39 @@ def test_what_the_answer_cannot_apply_is_refused_naming_it(client, kind, fields,
 def test_what_leaves_the_first_token_as_it_is_is_accepted(client, kind, fields):
     status, a = _ask(client, kind, **fields)
     assert status == 200, a
+
+
+def _ids_as_reference(events: list, n: int) -> list:
+    """Our events with the prompt's ids and t1's id as the reference engine's (0..n-1, and 100)."""
+    for e in events:
+        for holder in [e, *e["choices"]] if isinstance(e, dict) else ():
+            if holder.get("prompt_token_ids") is not None:
+                holder["prompt_token_ids"] = list(range(n))
+            if holder.get("token_ids") is not None:
+                holder["token_ids"] = [100]
+    return events
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_return_token_ids_shows_the_prompts_and_the_tokens_ids_as_vllm_does(client, local_service, kind):
+    status, whole = _ask(client, kind, max_tokens=8, return_token_ids=True)
+    assert status == 200, whole
+    ids = whole["prompt_token_ids"] if kind == "chat" else whole["choices"][0]["prompt_token_ids"]
+    prompt = PROMPT[kind].get("prompt")
+    if prompt is not None:
+        assert ids == local_service.tokenizer.encode(prompt)
+    assert len(ids) == whole["usage"]["prompt_tokens"]
+    t = whole["choices"][0]["token_ids"]
+    assert len(t) == 1 and local_service.tokenizer.decode(t) == (
+        whole["choices"][0].get("text") or whole["choices"][0]["message"]["content"])
+    status, events = _ask(client, kind, stream=True, max_tokens=8, return_token_ids=True)
+    assert status == 200, events
+    n = len(ids)
+    theirs = ask("streams", [{"endpoint": kind, "body": {"return_token_ids": True}, "prompt_tokens": n,
+                              "texts": ["T1"], "finish_reason": "length"}])[0]
+    theirs = [e if e == "[DONE]" else json.loads(e) for e in theirs]
+    ours = [_same_shape(e, n) for e in _ids_as_reference(_t1_as_reference(events), n)]
+    assert ours == [_same_shape({k: v for k, v in e.items() if k != "system_fingerprint"}, n)
+                    if isinstance(e, dict) else e for e in theirs]
+    status, plain = _ask(client, kind, max_tokens=8, return_token_ids=False)
+    assert plain["choices"][0]["token_ids"] is None  # (not asked: null, as before)

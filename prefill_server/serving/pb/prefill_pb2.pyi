@@ -47,7 +47,7 @@ class TransferTarget(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("model", "token_ids", "text", "messages", "add_special_tokens", "sampling", "transfer_mode", "transfer_target", "request_id", "return_prompt_token_ids", "chat_json")
+    __slots__ = ("model", "token_ids", "text", "messages", "add_special_tokens", "sampling", "transfer_mode", "transfer_target", "request_id", "return_prompt_token_ids", "chat_json", "cache_salt")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class PrefillRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RETURN_PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_JSON_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     model: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -70,7 +71,8 @@ class PrefillRequest(_message.Message):
     request_id: str
     return_prompt_token_ids: bool
     chat_json: str
-    def __init__(self, model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_special_tokens: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., transfer_mode: _Optional[_Union[TransferMode, str]] = ..., transfer_target: _Optional[_Union[TransferTarget, _Mapping]] = ..., request_id: _Optional[str] = ..., return_prompt_token_ids: _Optional[bool] = ..., chat_json: _Optional[str] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_special_tokens: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., transfer_mode: _Optional[_Union[TransferMode, str]] = ..., transfer_target: _Optional[_Union[TransferTarget, _Mapping]] = ..., request_id: _Optional[str] = ..., return_prompt_token_ids: _Optional[bool] = ..., chat_json: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "cached_tokens")
