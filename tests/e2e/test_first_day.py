@@ -141,6 +141,24 @@ def test_developer_messages_and_the_answers_fields_are_the_decodes(vllm_decode, 
     assert gateway.wait_pool_empty() == 0
 
 
+def test_a_cache_salt_reaches_the_decode_and_isolates_our_prefix_cache(vllm_decode, gateway):
+    """vLLM's cache_salt: the decode takes it with the rest of the request (its answer is vLLM alone's,
+    the first token ours), and our prefix cache serves a salted prompt only to the same salt."""
+    poem = "Write a long poem about the sea, its tides, its storms and the boats that cross it. " * 3
+    body = {"messages": [{"role": "user", "content": poem}], "max_tokens": 8, "temperature": 0}
+
+    def cached(salt: str) -> int:
+        a, _ = _same_chat_answer(gateway, vllm_decode, {**body, "cache_salt": salt})
+        return a["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0  # another tenant's salt: none of tenant-a's blocks
+    assert cached("tenant-a") > 0
+    bad = httpx.post(gateway.url + "/v1/chat/completions", json={**body, "cache_salt": "a/b"}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
+    assert gateway.wait_pool_empty() == 0
+
+
 def test_limits_are_the_decodes(vllm_decode, gateway):
     """The model has 8192 positions; the decode runs --max-model-len 4096: that is the limit."""
     m = httpx.get(gateway.url + "/v1/models").json()["data"][0]
