@@ -39,6 +39,7 @@ VALUES = {
     # (each word's tokens: test_first_draw.py; null, which vLLM's request class refuses, is taken as absent
     # here: SGLang decodes' clients may send it, and a vLLM decode still answers it with its own 400)
     "bad_words": [["x"], [], [1], "x", [None]],
+    "cache_salt": ["s", "x" * 128, "x" * 129, "", "a/b", "a@b", "a\\b", "a\x00b", None, 5, ["s"]],
 }
 COMPLETION_ONLY = {"logprobs": [-2, -1, 0, 1, 5]}
 CHAT_ONLY = {"top_logprobs": [-2, -1, 0, 1, 5], "tools": [[], [{"type": "function",
