@@ -86,6 +86,15 @@ def test_requests_spread_over_the_workers_and_metrics_say_which(pool):
     assert httpx.get(pool + "/health").json() == {"status": "ok"}
 
 
+def test_a_cache_salt_goes_to_the_worker_and_a_bad_one_is_refused(pool):
+    body = {"prompt": "Tenant question: what is the capital of France?", "max_tokens": 1}
+    for _ in range(2):
+        r = httpx.post(pool + "/v1/completions", json={**body, "cache_salt": "tenant-a"}, timeout=120)
+        assert r.status_code == 200, r.text
+    r = httpx.post(pool + "/v1/completions", json={**body, "cache_salt": "a/b"}, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+
+
 def test_a_long_prompt_does_not_hold_up_short_ones_on_the_other_worker(pool):
     """SmolLM2 has 8,192 positions and this CPU computes a few hundred tokens a second: the long prompt
     is 3,000 tokens (the issue asks 60K of a larger model on a GPU)."""
