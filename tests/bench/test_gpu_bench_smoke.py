@@ -1,18 +1,23 @@
 """Benchmark smoke tests for the GPU machine (marker ``gpu``: skipped on the CPU and not in the default
-run). They run the two benchmark commands at reduced sizes on the Llama-3.1-8B shape and fail when a
+run). They run the benchmark commands (attention, e2e, stream) on the Llama-3.1-8B shape and fail when a
 number regresses past a recorded guard, printing what they measured:
 
-    python3 -m pytest -q -m gpu tests/bench/test_gpu_bench_smoke.py -s     # ~4-5 minutes on one H200
+    python3 -m pytest -q -m gpu tests/bench/test_gpu_bench_smoke.py -s     # ~7 minutes on one H100 / H200
     scripts/gpu/regression.sh      # the same, then the stream bench (the device call after CPU-side changes)
 
 Guards: the issue's bars where the measurement has a margin over them: the dense TTFT and the
 64 x 8K throughput against the sustained floor (issue 20: 1.08x / 1.10x), the kernel against
-cuDNN, FlexAttention and "ideal" (issue 5), FP8's 64 x 8K throughput over bf16 (issue 20: 1.6x). The burst floor's ratios are printed only: they move with
-the card's clocks while the engine's TTFT does not.
+cuDNN, FlexAttention and "ideal" (issue 5), FP8's 64 x 8K throughput over bf16 (issue 20: 1.6x), the
+FP8 TTFT of 128K and 1M at a fixed 2% mask with every layer's KV streamed over NIXL to a receiver
+process (issue 20: 2.5 s / 25 s; needs the NIXL wheels of scripts/gpu/lib.sh, skipped without them).
+The burst floor's ratios are printed only: they move with the card's clocks while the engine's TTFT
+does not.
 """
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -86,3 +91,35 @@ def test_fp8_64x8k_throughput_over_bf16(tmp_path):
     ratio = walls["bf16"] / walls["fp8"]
     print(f"\n64 x 8K: bf16 {walls['bf16']:.2f} s, FP8 + FP8 pages + FP8 scores {walls['fp8']:.2f} s = {ratio:.3f}x")
     assert ratio >= 1.6  # bar
+
+
+def _streamed(tmp_path, name: str, args: list[str]) -> dict:
+    """One stream bench run in a process of its own (the 1M run needs the memory an earlier run's
+    engine, pool and receiver would keep in this one)."""
+    out = tmp_path / f"{name}.json"
+    cmd = [sys.executable, "-m", "prefill_server.bench.stream", *args, "--variants", "nixl", "--estimator-lengths",
+           "", "--quantization", "fp8", "--out", str(out)]
+    assert subprocess.run(cmd, timeout=400).returncode == 0, cmd
+    res = json.loads(out.read_text())
+    assert not res["errors"], res["errors"]
+    assert res["check"] and res["check"]["pass"], res["check"]  # streamed K/V equal the pull path's
+    return res
+
+
+def test_fp8_streamed_128k_and_1m_within_their_bars(tmp_path):
+    """Issue 20's long-prompt bars: at a fixed 2% mask, every layer's KV written over NIXL to a receiver
+    in another process, TTFT of 128K within 2.5 s (FP8 linear layers) and of 1M within 25 s (FP8 linear
+    layers in 32K-token chunks and FP8 scores). Recorded: 128K 2.19 s, 1M 24.09 s (H100,
+    docs/bench/2026-12-07-stream-guard); 128K 2.27 s on the H200 (docs/bench/2026-12-03-fp8/call3)."""
+    pytest.importorskip("nixl", reason="needs the NIXL wheels (scripts/gpu/lib.sh)")
+    r128 = _streamed(tmp_path, "128k", ["--lengths", "131072", "--densities", "0.02", "--long", "", "--reps", "2"])
+    r1m = _streamed(tmp_path, "1m", ["--lengths", "", "--long", "1048576", "--long-runs", "nixl:1",
+                                     "--chunk-tokens", "32768", "--fp8-attention", "on"])
+    ttft = {}
+    for res in (r128, r1m):
+        for row in res["summary"]["rows"]:
+            if row["variant"] == "nixl":
+                ttft[row["tokens"]] = (row["ttft_s"], row["peak_mem_gib"], row["meets_ttft_bar"])
+    print(f"\nFP8, 2%, KV streamed over NIXL: TTFT s, peak GiB, bar met by tokens: {ttft}")
+    assert ttft[131072][0] <= 2.5  # bar
+    assert ttft[1 << 20][0] <= 25.0  # bar
