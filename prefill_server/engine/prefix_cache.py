@@ -53,7 +53,7 @@ def with_client_salt(root: bytes, cache_salt: str | None) -> bytes:
     only with requests sending the same salt (a tenant's prompts cannot be probed by another's hits)."""
     if not cache_salt:
         return root
-    return hashlib.blake2b(root + b"\x00" + cache_salt.encode("utf-8"), digest_size=_DIGEST).digest()
+    return hashlib.blake2b(root + b"\x00" + cache_salt.encode("utf-8", "surrogatepass"), digest_size=_DIGEST).digest()
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, salt: bytes, limit: int | None = None) -> list[bytes]:
