@@ -218,24 +218,25 @@ class FirstToken:
         if tokens is not None:
             logprobs = self._chat_lp(*tokens) if self.plan.kind == "chat" else self._completion_lp(*tokens, 0)[0]
         base = {**base, **dict.fromkeys(_NULLS)}
-        ids = self._shown_ids()
+        prompt_ids, token_ids = self._shown_ids()
         if self.plan.kind == "completion":
             return {**base, "object": "text_completion",
                     "choices": [{"index": 0, "text": text, "logprobs": logprobs, **finish,
-                                 **dict.fromkeys(_COMPLETION_CHOICE_NULLS), **ids}]}
+                                 **dict.fromkeys(_COMPLETION_CHOICE_NULLS), **prompt_ids, **token_ids}]}
         base["id"] = "chatcmpl-" + str(base["id"] or uuid.uuid4().hex).removeprefix("cmpl-")
         return {**base, "object": "chat.completion", **dict.fromkeys(_CHAT_NULLS),
-                **{k: v for k, v in ids.items() if k == "prompt_token_ids"},
+                **prompt_ids,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text,
                                                      **dict.fromkeys(_MESSAGE_NULLS)},
                              "logprobs": logprobs, **finish, **dict.fromkeys(_CHAT_CHOICE_NULLS),
-                             **{k: v for k, v in ids.items() if k == "token_ids"}}]}
+                             **token_ids}]}
 
-    def _shown_ids(self) -> dict:
-        """``return_token_ids``: vLLM's prompt_token_ids and token_ids ({} where not asked)."""
+    def _shown_ids(self) -> tuple[dict, dict]:
+        """``return_token_ids``: vLLM's ({"prompt_token_ids": ...}, {"token_ids": [t1]}); ({}, {}) where
+        not asked."""
         if self.shown_prompt_ids is None:
-            return {}
-        return {"prompt_token_ids": list(self.shown_prompt_ids), "token_ids": [self.token_id]}
+            return {}, {}
+        return {"prompt_token_ids": list(self.shown_prompt_ids)}, {"token_ids": [self.token_id]}
 
     # ---- streamed answers ----
     def stream_start(self) -> "StreamState":
@@ -283,15 +284,14 @@ class StreamState:
         t1 ends the answer, a server without a decode)."""
         self.model = model
         ft, out = self.ft, b""
-        ids = ft._shown_ids()  # (vLLM: the prompt's ids in the first chunk, each token's in its own)
+        prompt_ids, token_ids = ft._shown_ids()  # (vLLM: the prompt's in the first chunk, a token's in its own)
         if ft.plan.kind == "chat":
             out += self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                  "finish_reason": None}], **self._running_usage(0),
-                               **{**dict.fromkeys(_STREAM_CHAT_FIRST_NULLS),
-                                  **{k: v for k, v in ids.items() if k == "prompt_token_ids"}})
-            ids = {k: v for k, v in ids.items() if k == "token_ids"}
+                               **{**dict.fromkeys(_STREAM_CHAT_FIRST_NULLS), **prompt_ids})
+            prompt_ids = {}
         tokens = ft._first_lp() if ft.plan.num_logprobs is not None else None
-        choice = {**self._choice(ft.text, tokens, finish_reason, stop_reason), **ids}
+        choice = {**self._choice(ft.text, tokens, finish_reason, stop_reason), **prompt_ids, **token_ids}
         return out + self._chunk([choice], **self._running_usage(1))
 
     def usage(self) -> bytes:

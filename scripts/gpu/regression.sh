@@ -5,8 +5,8 @@
 # (1) the GPU smoke tests, tests/bench/test_gpu_bench_smoke.py (attention at 128K / 5%, dense e2e
 #     at 8K/32K/128K + 64 x 8K against the sustained floors, FP8 64 x 8K over bf16, FP8 128K and 1M
 #     streamed; each against its bar or guard: ~7 minutes, so with the stream part below the script
-#     needs more than one 10-minute device call: SMOKE=0 for the second); (2) scripts/gpu/stream.sh at 128K (none vs
-#     null-push vs nixl, fixed 2%) and 1M (nixl, 2%, default first layer), with the streamed K/V
+#     needs more than one 10-minute device call: SMOKE=0 for the second); (2) scripts/gpu/stream.sh
+#     at 128K (none vs null-push vs nixl, fixed 2%) and 1M (nixl, 2%, default first layer), with the streamed K/V
 #     checked against the pull path at 16K. Last recorded: docs/bench/2026-12-01-gpu-regression/.
 # Options, in the environment:
 #   OUT=DIR          where the files go (default .devout)
