@@ -10,7 +10,7 @@ source scripts/gpu/lib.sh
 gpu_out
 gpu_info | tee "$out/info.txt"
 mkdir -p "$out/fp8_on"
-OUT=$out/fp8_on TIMEOUT=170 scripts/gpu/stream.sh --lengths "" --estimator-lengths "" --long 1048576 \
+OUT=$out/fp8_on TIMEOUT=400 scripts/gpu/stream.sh --lengths "" --estimator-lengths "" --long 1048576 \
   --long-runs nixl:1 --quantization fp8 --chunk-tokens 32768 --fp8-attention on 2>&1 \
   | grep -E "^ +nixl +1048576 |check:|rc=|Error|error"
 rm -f "$out/fp8_on/smi.csv"
