@@ -14,7 +14,7 @@ from prefill_server.errors import InvalidRequest
 
 # field (vLLM's and SGLang's names) -> the value that means "off" (null, {} and [] do too). Presence and
 # frequency penalties count output tokens only, so they leave the first token as it is.
-_NOT_APPLIED = {"logits_processors": None, "structured_outputs": None, "json_schema": None, "regex": None,
+_NOT_APPLIED = {"structured_outputs": None, "json_schema": None, "regex": None,
                 "ebnf": None, "structural_tag": None, "custom_logit_processor": None, "use_beam_search": False}
 # SGLang has neither: its decode would draw every later token without them
 SGLANG_NOT_APPLIED = {"allowed_token_ids": None, "bad_words": None}
@@ -37,7 +37,7 @@ def openai_sampling(b, raw: dict, eos_ids: tuple[int, ...], vocab: int, sglang: 
     check_left(bans, allowed, vocab)
     return SamplingParams(temperature=b.temperature if b.temperature is not None else 1.0,
                           top_p=b.top_p if b.top_p is not None else 1.0,
-                          top_k=b.top_k if b.top_k is not None else -1, seed=b.seed, min_p=b.min_p or 0.0,
+                          top_k=b.top_k if b.top_k else -1, seed=b.seed, min_p=b.min_p or 0.0,
                           repetition_penalty=1.0 if sglang or b.repetition_penalty is None else b.repetition_penalty,
                           logit_bias=logit_bias(b.logit_bias, vocab, "", clamp=not sglang),
                           allowed_token_ids=allowed, banned_token_ids=bans, sampler="sglang" if sglang else "vllm")

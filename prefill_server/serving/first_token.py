@@ -239,8 +239,9 @@ class FirstToken:
         return {"prompt_token_ids": list(self.shown_prompt_ids)}, {"token_ids": [self.token_id]}
 
     # ---- streamed answers ----
-    def stream_start(self) -> "StreamState":
-        return StreamState(self)
+    def stream_start(self, request_id: str | None = None) -> "StreamState":
+        """``request_id``: the id the chunks carry (as the whole answer's would); a new one where None."""
+        return StreamState(self, request_id)
 
 
 class StreamState:
@@ -248,9 +249,9 @@ class StreamState:
     usage the client asked for already (``stream_relay.StreamUsage`` cuts the rest): each event's
     usage and system_fingerprint are carried over, t1 counted as completion."""
 
-    def __init__(self, ft: FirstToken):
+    def __init__(self, ft: FirstToken, request_id: str | None = None):
         self.ft = ft
-        self.id = ("chatcmpl-" if ft.plan.kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self.id = ("chatcmpl-" if ft.plan.kind == "chat" else "cmpl-") + (request_id or uuid.uuid4().hex)
         self.created = int(time.time())
         self.model: str | None = None  # the served name (as clients name the model here)
         self.offset = 0  # completion logprobs: text offset of the next token

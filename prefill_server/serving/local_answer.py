@@ -78,7 +78,7 @@ class LocalAnswer:
         """The streamed answer: (chat: the role) and the token with its finish, the usage where
         ``stream_options`` asks for it, then ``[DONE]``."""
         try:
-            state = self.first.stream_start()
+            state = self.first.stream_start(self.request_id)
             yield state.first(self.model, self.finish_reason, self.stop_reason)
             if (usage_asked(self.first.plan.body.get("stream_options")) or (False, False))[0]:
                 yield state.usage()

@@ -52,7 +52,8 @@ class PrefillService:
         getattr(tokenizer, "max_token_chars", None)
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in (self.info.served_name, self.info.path):
+        """``name`` absent, null or "" is the served model, as vLLM takes it."""
+        if name and name not in (self.info.served_name, self.info.path):
             raise UnknownModel(f"model {name!r} is not served here; use {self.info.served_name!r}",
                                field="model")
 

@@ -1,4 +1,5 @@
 """Gateway behaviour on good and bad input, with the real model in transfer mode 'local'."""
+import json
 import socket
 
 import pytest
@@ -108,7 +109,7 @@ def test_chat_rendering_fields_are_the_decodes(client, local_service):
 
 @pytest.mark.parametrize("fields,needle", [
     ({"continue_final_message": True}, "cannot both be true"),
-    ({"add_generation_prompt": "no"}, "add_generation_prompt"),
+    ({"add_generation_prompt": "perhaps"}, "add_generation_prompt"),  # ("no": false, as vLLM reads it)
     ({"chat_template": "{{ messages }}"}, "chat template sent with the request"),
     ({"chat_template_kwargs": "x"}, "chat_template_kwargs"),
     ({"truncate_prompt_tokens": 3}, "truncate_prompt_tokens=3 would cut"),
@@ -120,6 +121,25 @@ def test_bad_chat_rendering_fields_get_400(client, fields, needle):
     ok = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
                                                    "truncate_prompt_tokens": 1000})  # no cut: served
     assert ok.status_code == 200, ok.text
+
+
+def test_values_are_read_as_vllm_reads_them(client):
+    """A body vLLM 0.32 takes is taken (numbers as strings, 1 / "true" for flags, model "" = the served
+    one, fields vLLM does not have ignored); what it refuses is refused, naming the field."""
+    r = client.post("/v1/completions", json={"model": "", "prompt": "Hi", "max_tokens": "1", "temperature": "0",
+                                             "stream": "true", "return_token_ids": 1, "logits_processors": ["x"]})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text
+    events = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+    assert events[0]["choices"][0]["token_ids"] and events[0]["choices"][0]["prompt_token_ids"]
+    msgs = [{"role": "user", "content": "Hi"}]
+    r = client.post("/v1/chat/completions", json={"messages": msgs, "logprobs": 1, "top_logprobs": 2, "n": None})
+    assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
+    for body, field in (({"top_logprobs": "2", "logprobs": True}, "top_logprobs"),
+                        ({"tool_choice": "auto"}, "tool_choice"),
+                        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"), ({"stream": []}, "stream"),
+                        ({"structured_outputs": {}}, "structured_outputs"), ({"max_tokens": "ten"}, "max_tokens")):
+        r = client.post("/v1/chat/completions", json={"messages": msgs, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (body, r.text)
 
 
 def test_prompt_larger_than_pool_is_refused(client, local_service):

@@ -83,19 +83,21 @@ def typed(field: str, values) -> list[tuple]:
 
 COMMON = (
     typed("model", [5, 1.5, True, [], {}, ["m"]])
-    + [("model", v, "not served") for v in ("no-such-model", "", "x" * 5000, "SmolLM2", " ")]
-    + [("model", None, None)]
-    + typed("stream", ["true", 1, 0, None, [], {}, "no"]) + [("stream", v, None) for v in (True, False)]
-    + typed("max_tokens", ["ten", "3", 1.5, 2.0, True, 0, -1, -10**30, [1], {}])
-    + [("max_tokens", v, None) for v in (None, 1, 16)] + [("max_tokens", 10**30, "context")]
-    + typed("temperature", ["0.5", True, False, -0.5, -1e-300, -10**30, [0.5], {}, "hot"])
-    + [("temperature", v, None) for v in (None, 0, 0.0, 1e-300, 0.7, 2)] + typed("temperature", [2.0001, 1e300])
-    + typed("top_p", [0, 0.0, -0.1, 1.0000001, 2, 10**30, "1", False, [], {}])
-    + [("top_p", v, None) for v in (None, 5e-324, 0.5, 1, 1.0)]
-    + typed("top_k", [0, -2, -10**30, 1.5, "5", True, [], {}]) + [("top_k", v, None) for v in (-1, 1, 5, 10**30)]
-    + typed("seed", [10**30, -10**30, 2**63, -2**63 - 1, 1.5, "1", True, [], {}])
-    + [("seed", v, None) for v in (None, 0, -1, 2**63 - 1, -2**63)]
-    + typed("n", [0, 2, -1, 10**30, "1", 1.0, True, []]) + [("n", v, None) for v in (None, 1)]
+    + [("model", v, "not served") for v in ("no-such-model", "x" * 5000, "SmolLM2", " ")]
+    + [("model", v, None) for v in (None, "")]  # (the served model, as vLLM takes them)
+    # values vLLM's request classes read leniently ("3" is 3, 1 is true) pass; others are refused, named
+    + typed("stream", [[], {}, "maybe", 2]) + [("stream", v, None) for v in (True, False, "true", 1, 0, None, "no")]
+    + typed("max_tokens", ["ten", 1.5, 0, -1, -10**30, [1], {}])
+    + [("max_tokens", v, None) for v in (None, 1, 16, "3", 2.0, True)] + [("max_tokens", 10**30, "context")]
+    + typed("temperature", [-0.5, -1e-300, -10**30, [0.5], {}, "hot"])
+    + [("temperature", v, None) for v in (None, 0, 0.0, 1e-300, 0.7, 2, "0.5", True, False)]
+    + typed("temperature", [2.0001, 1e300])
+    + typed("top_p", [0, 0.0, -0.1, 1.0000001, 2, 10**30, False, [], {}])
+    + [("top_p", v, None) for v in (None, 5e-324, 0.5, 1, 1.0, "1")]
+    + typed("top_k", [-2, -10**30, 1.5, [], {}]) + [("top_k", v, None) for v in (-1, 0, 1, 5, 10**30, "5", True)]
+    + typed("seed", [10**30, -10**30, 2**63, -2**63 - 1, 1.5, [], {}])
+    + [("seed", v, None) for v in (None, 0, -1, 2**63 - 1, -2**63, "1", True)]
+    + typed("n", [0, 2, -1, 10**30, []]) + [("n", v, None) for v in (1, "1", 1.0, True)]
     # JSON that Python parses but is not JSON (or not text), in any field, known or not
     + [(f, v, needle) for f in ("temperature", "max_tokens", "stop", "user", "extra") for v, needle in JSON_LEVEL]
     # sampling fields checked as the decode checks them (``test_sampling_checks.py``)
@@ -104,9 +106,14 @@ COMMON = (
     + typed("presence_penalty", [5, -10**30, "x", [1], {}, nested(100), 2.5])
     + [("presence_penalty", v, None) for v in (None, -2, 1.5)]
     + typed("stream_options", [5, "x" * 20000, [1, "a", None], nested(100)]) + [("stream_options", None, None)]
-    # fields the gateway forwards to a decode unread: any JSON passes here
-    + [(f, v, None) for f in ("user", "best_of", "suffix", "response_format", "", "\u0000", "x" * 300, "🙂")
+    # fields vLLM 0.32 does not have (ignored): any JSON passes here
+    + [(f, v, None) for f in ("best_of", "logits_processors", "", "\u0000", "x" * 300, "🙂")
        for v in (5, -10**30, "x" * 20000, [1, "a", None], {"a": {"b": []}}, nested(100), None, "🙂\u2028")]
+    + typed("user", [5, -10**30, [1, "a", None], {"a": {"b": []}}, nested(100)])
+    + [("user", v, None) for v in ("x" * 20000, None, "🙂\u2028")]
+    + typed("response_format", [5, "x", [1], {"a": {"b": []}}, {"type": "xml"}, {"type": "json_object"},
+                                {"type": "json_schema"}])
+    + [("response_format", v, None) for v in (None, {"type": "text"})]
     + typed("stop_token_ids", [5, "x", {"a": 1}, [1.5], [None], nested(50)])
     + [("stop_token_ids", v, None) for v in (None, [], [1, 2], ["5"])]  # (vLLM's request class reads "5" as 5)
     + [(f, v, "vocabulary") for f in ("stop_token_ids", "allowed_token_ids") for v in ([VOCAB], [-1], [3, 10**30])]
@@ -127,7 +134,8 @@ PROMPT = (
     + [("prompt", v, "vocabulary") for v in ([-1], [1, VOCAB], [10**30], [-10**30], [5, 2**63, 7], [VOCAB + 1] * 3)]
     + [("prompt", v, "context") for v in ([1] * (CONTEXT + 1), [[2] * 9000], "word " * 9000, "x" * 100_000)]
     + [("prompt", v, "shorter prompt") for v in ([1] * (POOL_TOKENS + 1), [[3] * 5000], "hi " * 3000)]
-    + typed("logprobs", [-2, -10**30, "x", True, [1], {}]) + [("logprobs", v, None) for v in (None, 0, 5)]
+    + typed("suffix", [5, "x", [1]]) + [("suffix", None, None)] + typed("n", [None])  # (a chat's may be null)
+    + typed("logprobs", [-2, -10**30, "x", "2", [1], {}]) + [("logprobs", v, None) for v in (None, 0, 5, True)]
     + [("logprobs", v, "logprobs") for v in (-1, 21)]  # (the whole vocabulary: past vLLM's default 20)
     + [("prompt", v, "surrogate") for v in SURROGATES]
     + [("prompt", v, "JSON") for v in BAD_UTF8]
@@ -157,11 +165,15 @@ CHAT = (
                                       {"role": "user", "content": [{"type": "input_text", "text": "a"}]},
                                       {"role": "user", "content": "x", "name": 5, "tool_calls": "x"},
                                       {"role": "developer", "content": "🙂"}, {"role": "system"})]
-    + typed("logprobs", [5, "x", [], {}]) + [("logprobs", v, None) for v in (None, True, False)]
-    + typed("max_completion_tokens", [0, -1, "5", 1.5, True, []])
-    + [("max_completion_tokens", v, None) for v in (None, 1)] + [("max_completion_tokens", 10**30, "context")]
+    + typed("logprobs", [5, "x", [], {}]) + [("logprobs", v, None) for v in (None, True, False, 0, "yes")]
+    + typed("max_completion_tokens", [0, -1, 1.5, []])
+    + [("max_completion_tokens", v, None) for v in (None, 1, "5", True)]
+    + [("max_completion_tokens", 10**30, "context")]
     + typed("tools", [5, "x", {"a": 1}, [5], [None], ["f"], [[]], True, []])
     + [("tools", v, None) for v in (None, [{"type": "function", "function": {"name": "f", "parameters": {}}}])]
+    + typed("tools", [[{"a": 1}], [{"function": {"name": 5}}]])
+    + typed("tool_choice", ["auto", "x", 5, {"function": {"name": "f"}}])
+    + [("tool_choice", v, None) for v in (None, "none")] + [("n", None, None)]
 )
 
 

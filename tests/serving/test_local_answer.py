@@ -71,6 +71,16 @@ def test_a_stream_is_vllms_stream_of_one_token(client, vllm_one_token_streams, k
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_a_streamed_answer_has_one_id_of_the_whole_answers_form(client, kind):
+    """vLLM's chunks carry the id its whole answer would (cmpl- / chatcmpl- and the request's id)."""
+    status, events = _ask(client, kind, stream=True, stream_options={"include_usage": True})
+    ids = {e["id"] for e in events if isinstance(e, dict)}
+    status, whole = _ask(client, kind)
+    prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+    assert len(ids) == 1 and ids.pop().startswith(prefix + "pf-") and whole["id"].startswith(prefix + "pf-")
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_whole_answer_has_every_field_of_vllms(client, kind):
     theirs = ask("shapes")[kind]
     status, ours = _ask(client, kind)

@@ -6,8 +6,8 @@
         (``CompletionRequest`` / ``ChatCompletionRequest``, its validators) and the
         ``SamplingParams`` it builds (``to_sampling_params``, whose ``_verify_args`` checks the ranges)
         accept the body, as its serving layer does before a request is scheduled. The answer's token
-        limit is the body's ``max_tokens`` (or ``max_completion_tokens``), else 16: a prompt that
-        leaves the context room.
+        limit is the body's ``max_completion_tokens`` (chat), else ``max_tokens`` as the request class
+        read them, capped at 16, else 16: a prompt that leaves the context room.
     .venv-vllm/bin/python tests/serving/vllm_serving_reference.py roles < conversations.json
         stdin: a JSON list of conversations (lists of {"role", "content", ...} with string content);
         stdout: each as vLLM's HF renderer hands it to a chat template that does not name the
@@ -71,9 +71,12 @@ def bodies(cases: list[dict]) -> list[dict]:
     for case in cases:
         body = case["body"]
         cls = ChatCompletionRequest if case["endpoint"] == "chat" else CompletionRequest
-        limit = body.get("max_completion_tokens") or body.get("max_tokens") or 16
         try:
-            cls.model_validate(body).to_sampling_params(max_tokens=limit, default_sampling_params={})
+            req = cls.model_validate(body)
+            # the serving layer's limit (``get_max_tokens``) from the fields as read; 16 in their place
+            limit = getattr(req, "max_completion_tokens", None)
+            limit = req.max_tokens if limit is None else limit
+            req.to_sampling_params(max_tokens=16 if limit is None else min(limit, 16), default_sampling_params={})
             out.append({"ok": True, "error": ""})
         except Exception as e:  # noqa: BLE001 (any refusal is the answer)
             out.append({"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"})
