@@ -69,6 +69,15 @@ def chat_request(text: str) -> tuple[list[dict], dict]:
     return schema.chat_messages(schema.parse(schema.ChatBody, raw)), raw
 
 
+def chat_salt(field: str | None, body: str | None) -> str | None:
+    """The salt of a ``chat_json`` request: its ``cache_salt`` field or the body's (both checked), which
+    isolates the prompt's cached KV as the body asks; two different ones are refused."""
+    if field is not None and body is not None and field != body:
+        raise InvalidRequest("cache_salt is set twice, differently (the request's field and chat_json's): "
+                             "send one of them", field="cache_salt")
+    return field if field is not None else body
+
+
 def in_chat_json(e: InvalidRequest) -> InvalidRequest:
     """A chat body's error (its parsing, rendering or length check) named as a ``chat_json`` field."""
     e.field = "chat_json" if e.field in (None, "", "body", "prompt") else f"chat_json.{e.field}"

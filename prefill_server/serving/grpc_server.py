@@ -40,8 +40,8 @@ from kv_transfer.base import check_request_id
 from prefill_server.engine.worker import PrefillResult, check_client_salt
 from prefill_server.errors import InvalidRequest, PrefillError, PromptTooLong
 from prefill_server.serving.auth import ApiKeys
-from prefill_server.serving.grpc_inputs import (Prepared, chat_messages, chat_request, in_chat_json, input_field,
-                                                sampling_params)
+from prefill_server.serving.grpc_inputs import (Prepared, chat_messages, chat_request, chat_salt, in_chat_json,
+                                                input_field, sampling_params)
 from prefill_server.serving.pb import prefill_pb2 as pb
 from prefill_server.serving.pb import prefill_pb2_grpc as pb_grpc
 from prefill_server.serving.service import PrefillService
@@ -185,6 +185,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                     ids = await self.service.encode_chat_async(messages, request=body)
                 except InvalidRequest as e:
                     raise in_chat_json(e) from None
+                salt = chat_salt(salt, body.get("cache_salt"))
             else:
                 ids = await self.service.encode_chat_async(chat_messages(req))
         except PrefillError as e:

@@ -156,3 +156,23 @@ def test_a_cache_salt_shares_cached_blocks_only_with_the_same_salt(h, client):
         with pytest.raises(PrefillRpcError) as ei:
             client.prefill(HEAD, cache_salt=bad)
         assert ei.value.code == CODE.INVALID_ARGUMENT and ei.value.field == "cache_salt", bad
+
+
+def test_a_chat_json_cache_salt_isolates_its_prompt(h, client):
+    """A chat_json body's own cache_salt applies (as the same body would over HTTP) where the request's
+    field is empty; the same salt in the field shares its blocks; two different salts are refused."""
+    chat = {"messages": [{"role": "user", "content": "salted " * 10}], "cache_salt": "tenant-c"}
+    plain = {"messages": chat["messages"]}
+
+    def cached(body: dict, salt: str | None = None) -> int:
+        r = client.prefill(chat=body, cache_salt=salt)
+        client.release(r.request_id)
+        return r.cached_tokens
+
+    assert cached(chat) == 0 and cached(chat) > 0
+    assert cached(plain) == 0  # no salt: not served by the salted blocks
+    assert cached(plain, salt="tenant-c") > 0 and cached(chat, salt="tenant-c") > 0
+    with pytest.raises(PrefillRpcError) as ei:
+        client.prefill(chat=chat, cache_salt="tenant-d")
+    assert ei.value.code == CODE.INVALID_ARGUMENT and ei.value.field == "cache_salt"
+    assert h.wait_pool_empty() == 0
