@@ -35,23 +35,30 @@ def _by_impl(results: list[dict], tokens: int) -> dict[str, dict]:
 
 def test_attention_bench_128k(tmp_path):
     """Kernel, estimator and all-blocks mode against cuDNN and FlexAttention (the fastest of its
-    configurations on this mask) in the same run, 128K at a fixed 5% mask. Recorded (H100,
+    configurations on this mask) in the same run, 128K at fixed 1% and 5% masks. Recorded at 5% (H100,
     docs/bench/2026-12-06-diag-fixed/h100-call3): 1.31x Flex at its best settings, 1.10x ideal,
     estimator + kernel 16.4x dense, estimator 0.58% of dense, all blocks 0.98x cuDNN (H200 calls 11-12,
-    Flex at its defaults: 1.35x, 1.07-1.11x, 16.5-17.0x, 0.51%, 0.97-1.00x)."""
+    Flex at its defaults: 1.35x, 1.07-1.11x, 16.5-17.0x, 0.51%, 0.97-1.00x). At 1% (issue 20: within
+    1.2x ideal on the H200), the warp-specialised kernel on sm_90: 1.19x and 1.26x on an H100
+    (docs/bench/2026-12-07-gluon-pipe/h100-call2, h100-call3), where the Triton kernel was 1.36-1.44x."""
     out = tmp_path / "attention.json"
-    assert attention.main(["--lengths", "131072", "--densities", "0.05", "--budget-ms", "600",
+    assert attention.main(["--lengths", "131072", "--densities", "0.01,0.05", "--budget-ms", "600",
                            "--out", str(out)]) == 0
-    by = _by_impl(json.loads(out.read_text())["results"], 131072)
-    ours, est, dense_mode = by["ours_kernel"], by["ours_estimator"], by["ours_dense_mode"]
+    res = json.loads(out.read_text())["results"]
+    by = _by_impl(res, 131072)
+    kern = {round(r["density"], 2): r for r in res if r["impl"] == "ours_kernel"}
+    ours, one, est, dense_mode = kern[0.05], kern[0.01], by["ours_estimator"], by["ours_dense_mode"]
     print(f"\n128K 5%: {ours['ms']:.2f} ms, {ours['speedup_vs_flex']:.2f}x Flex, {ours['vs_ideal']:.3f}x ideal, "
           f"total {ours['total_speedup_vs_dense']:.1f}x dense; estimator {est['frac_of_dense']:.2%} of dense; "
-          f"all blocks {dense_mode['vs_cudnn']:.3f}x cuDNN")
+          f"all blocks {dense_mode['vs_cudnn']:.3f}x cuDNN; 1%: {one['ms']:.3f} ms, {one['vs_ideal']:.3f}x ideal, "
+          f"{one['speedup_vs_flex']:.2f}x Flex")
     assert ours["speedup_vs_flex"] >= 1.2  # bar
     assert ours["vs_ideal"] <= 1.25  # bar
     assert ours["total_speedup_vs_dense"] >= 15  # bar
     assert est["frac_of_dense"] <= 0.01  # bar
     assert dense_mode["vs_cudnn"] <= 1.1  # guard (0.97-1.00 recorded; 1.11-1.14 before fixm)
+    # bar on the issue's card (H200); the H100 (1.19 and 1.26 recorded) gets a guard with the runs' spread
+    assert one["vs_ideal"] <= (1.2 if "H200" in torch.cuda.get_device_name() else 1.3)
 
 
 def test_e2e_bench_against_sustained_floors(tmp_path):

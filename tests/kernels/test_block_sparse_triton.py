@@ -122,6 +122,37 @@ def test_fixed_reference_falls_back_when_a_far_key_dominates(triton_device, dtyp
         assert not (torch.isfinite(o_bad).all() and rel_l2(o_bad, o2) < TOL[dtype])
 
 
+@pytest.mark.parametrize("which", ["none", "some", "all"])
+def test_redo_recomputes_exactly_the_flagged_items(triton_device, which):
+    """``redo_flagged`` (the warp-specialised kernel's fallback) over items of 32 tokens x 4 heads:
+    the flagged items' rows come out as the reference's, every other row is left as it was."""
+    from prefill_server.kernels.block_sparse import kernel
+    bs, hq, hkv = 128, 8, 2
+    q, k, v, cu_q, cu_k = batch([77, 200], [77, 300], hq, hkv, 64, bs, dtype=torch.float32, device=triton_device)
+    lay = build_layout(cu_q, cu_k, q.shape[0], k.shape[0], bs)
+    sel = torch.rand(lay.n_slots, hkv, lay.max_kblocks, generator=torch.Generator().manual_seed(1)) < 0.5
+    p = plan_from_mask(sel.to(triton_device), lay, SparseConfig(block_size=bs, backend="triton"))
+    o2, l2 = brute_force(q, k, v, cu_q, cu_k, sel, bs)
+    n_items = lay.n_slots * (bs // 32) * hkv
+    flags = torch.zeros(n_items, dtype=torch.int32, device=triton_device)
+    if which == "some":
+        flags[::3] = 1
+    elif which == "all":
+        flags[:] = 1
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((q.shape[0], hq), float("nan"), device=triton_device)
+    kernel.redo_flagged(q, k, v, out, lse, lay, p.idx, p.cnt.view(lay.n_slots, -1), 64 ** -0.5, flags, 4, 32,
+                        rb=64)
+    done = ~torch.isnan(out).any(-1).cpu()  # [Tq, Hq]
+    assert torch.equal(done, ~torch.isnan(lse).cpu())
+    if which == "none":
+        assert not done.any()
+    else:
+        assert done.all() if which == "all" else 0 < int(done.sum()) < done.numel()
+        assert rel_l2(out.cpu()[done], o2[done]) < TOL[torch.float32]
+        assert (lse.double().cpu()[done] - l2[done]).abs().max() < 1e-4
+
+
 @pytest.mark.parametrize("gp,tok,bn", [(4, 32, 32), (2, 16, 16), (4, 8, 32), (1, 32, 16)])
 def test_fixed_reference_tilings_and_unaligned_diagonals(triton_device, gp, tok, bn):
     """fixm 2 (one online step on the diagonal tile holding the item's first query, the rest against
@@ -230,6 +261,62 @@ def test_gpu_fixed_reference_variants(fixm, kvload, dense):
     o2, l2 = ref.attention(q, k, v, lay, sel)
     assert rel_l2(o, o2) < TOL[torch.bfloat16]
     assert (l - l2).abs().max() < 1e-2
+
+
+def _needs_gluon():
+    from prefill_server.kernels.block_sparse import kernel
+    if torch.cuda.get_device_capability() != (9, 0) or kernel._gluon_module() is None:
+        pytest.skip("the warp-specialised kernel runs on sm_90 with Triton's Gluon")
+    return kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_lens,k_lens", [([8192], [8192]), ([3000, 5000, 777], [3001, 9050, 4100]),
+                                           ([31, 64, 200], [31, 1000, 200])])
+@pytest.mark.parametrize("density", [0.02, 0.3])
+def test_gpu_warp_specialised_kernel(q_lens, k_lens, density):
+    """On sm_90 a plan's default launch is the warp-specialised kernel: every element written, the
+    reference's attention (varlen, q_len < k_len, diagonals off the tile grid, partial last items),
+    and within bf16 noise of the Triton kernel."""
+    kernel = _needs_gluon()
+    bs, hq, hkv = 128, 32, 8
+    q, k, v, cu_q, cu_k = batch(q_lens, k_lens, hq, hkv, 128, bs, dtype=torch.bfloat16, device="cuda")
+    lay = build_layout(cu_q, cu_k, q.shape[0], k.shape[0], bs)
+    sel = torch.rand(lay.n_slots, hkv, lay.max_kblocks, device="cuda") < density
+    p = plan_from_mask(sel, lay, SparseConfig())
+    assert kernel._gluon_applies(q, k, v, q, lay)
+    o, l = _run(p, q, k, v)
+    o2, l2 = ref.attention(q, k, v, lay, sel)
+    assert rel_l2(o, o2) < TOL[torch.bfloat16]
+    assert (l - l2).abs().max() < 1e-2
+    o3, l3 = _run(p, q, k, v, mode="grid")
+    assert rel_l2(o, o3) < 5e-3 and (l - l3).abs().max() < 1e-3
+
+
+@pytest.mark.gpu
+def test_gpu_warp_specialised_kernel_redoes_what_its_fixed_reference_cannot_hold():
+    """One early key block scores far above the diagonal region (past the 2**64 limit of the fixed
+    reference): the items it reaches are flagged and redone online; the result is the reference's."""
+    kernel = _needs_gluon()
+    bs, hq, hkv = 128, 32, 8
+    q, k, v, cu_q, cu_k = batch([512, 300], [1024, 300], hq, hkv, 128, bs, dtype=torch.bfloat16, device="cuda")
+    k[:bs] = q[:1, :1].mean(0) * 8
+    q[:512] = q[:1, :1].mean(0)
+    lay = build_layout(cu_q, cu_k, q.shape[0], k.shape[0], bs)
+    sel = torch.ones(lay.n_slots, hkv, lay.max_kblocks, dtype=torch.bool, device="cuda")
+    p = plan_from_mask(sel, lay, SparseConfig())
+    s_max = float((q[:512, 0].float() @ k[:bs, 0].float().T).max()) / 128 ** 0.5 * 1.4427
+    assert s_max > 64, s_max  # past the fixed reference's limit: the redo is what makes it right
+    cnt2 = p.cnt.view(lay.n_slots, -1)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[0], hq, device="cuda")
+    flags = kernel._gluon_module().attention(q, k, v, lay, p.idx, cnt2, 128 ** -0.5 * kernel.LOG2E,
+                                             kernel.FIXM_LIMIT[torch.bfloat16], out, lse)
+    assert int((flags != 0).sum()) > 0
+    o, l = _run(p, q, k, v)
+    o2, l2 = brute_force(q, k, v, cu_q, cu_k, sel.cpu(), bs)
+    assert rel_l2(o.cpu(), o2) < TOL[torch.bfloat16]
+    assert (l.double().cpu() - l2).abs().max() < 5e-2
 
 
 @pytest.mark.parametrize("vdtype", [torch.float32, torch.float16,

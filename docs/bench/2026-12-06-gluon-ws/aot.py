@@ -23,13 +23,13 @@ TARGET = GPUTarget("cuda", 90, 32)
 
 
 def compile_ws(bn=64, stages=4, tok=32, gp=4, dense=False, maxnreg=168, loader_regs=24, fixed=0, nwg=1,
-               compute_regs=216, bd=0, peel=1, **extra):
+               compute_regs=216, bd=0, peel=1, pipe=0, tstore=0, pp=0, **extra):
     fn = ws_attention._attn_ws
     q_lay = gl.NVMMASharedLayout.get_default_for([tok, 128], gl.bfloat16)
     kv_lay = gl.NVMMASharedLayout.get_default_for([bn, 128], gl.bfloat16)
     sig = {}
     for name in fn.arg_names:
-        if name == "q_desc":
+        if name in ("q_desc", "o_desc"):
             sig[name] = f"tensordesc<bf16[{tok}, 128],{q_lay!r}>"
         elif name in ("k_desc", "v_desc"):
             sig[name] = f"tensordesc<bf16[{bn}, 128],{kv_lay!r}>"
@@ -39,14 +39,14 @@ def compile_ws(bn=64, stages=4, tok=32, gp=4, dense=False, maxnreg=168, loader_r
             sig[name] = "*bf16"
         elif name == "LSE":
             sig[name] = "*fp32"
-        elif name.isupper() and name not in ("G", "GP", "TOK", "BS", "BN", "D", "DENSE", "STAGES", "LOADER_REGS", "FIXED", "LIM", "NWG", "COMPUTE_REGS", "BD", "PEEL"):
+        elif name.isupper() and name not in ("G", "GP", "TOK", "BS", "BN", "D", "DENSE", "STAGES", "LOADER_REGS", "FIXED", "LIM", "NWG", "COMPUTE_REGS", "BD", "PEEL", "PIPE", "TSTORE", "PP"):
             sig[name] = "*i32"
         elif name == "qk_scale":
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
     cx = dict(G=4, GP=gp, TOK=tok, BS=128, BN=bn, D=128, DENSE=dense, STAGES=stages, LOADER_REGS=loader_regs,
-              FIXED=bool(fixed), LIM=2.0 ** 64, NWG=nwg, COMPUTE_REGS=compute_regs, BD=bd or bn, PEEL=bool(peel),
+              FIXED=bool(fixed), LIM=2.0 ** 64, NWG=nwg, COMPUTE_REGS=compute_regs, BD=bd or bn, PEEL=bool(peel), PIPE=bool(pipe), TSTORE=bool(tstore), PP=bool(pp),
               num_warps=8 if nwg == 1 else 4, **extra)
     cx = {k: v for k, v in cx.items() if k in fn.arg_names or k == "num_warps"}
     sig.update({k: "constexpr" for k in cx})

@@ -9,7 +9,8 @@ kernel on the same fixed masks, cuDNN dense in the same run (issue 20: 128K 1% w
 q_len < k_len, dense mode at 8K) with outputs poisoned by NaN beforehand. ``time``: per length,
 cuDNN dense, then per density ``--rounds`` interleaved rounds of the shipped kernel and every
 variant (median over rounds), the shipped kernel's output compared with each variant's; cuDNN again
-at the end. Variant = "key=value,..." (keyword arguments of ``ws_attention.attention``).
+at the end. Variant = "key=value,..." (keyword arguments of ``ws_attention.attention``; with
+``triton=1``, launch options of the shipped kernel's ``kernel.attention``).
 """
 from __future__ import annotations
 
@@ -53,6 +54,15 @@ def parse_variants(s):
     return out
 
 
+def run_variant(var, q, k, v, lay, idx, cnt, dense, bad):
+    """A variant: ``ws_attention.attention``'s keyword arguments, or with ``triton=1`` the shipped
+    kernel's launch options (``kernel.attention``)."""
+    if var.get("triton"):  # the Triton kernel (not the warp-specialised default on sm_90)
+        opts = {a: b for a, b in var.items() if a != "triton"}
+        return kernel.attention(q, k, v, lay, idx, cnt, dense=dense, gluon=False, **opts)
+    return ws_attention.attention(q, k, v, lay, idx, cnt, dense=dense, bad=bad, **var)
+
+
 def smi():
     return subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu",
                            "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
@@ -89,8 +99,7 @@ def check(args, variants, res):
                             "lse_maxerr": float((l_s - l_ref).abs().max())})
         for var in variants:
             bad = torch.zeros(1, dtype=torch.int32, device=dev)
-            o, lse = ws_attention.attention(q, k, v, lay, None if dense else p.idx, None if dense else p.cnt,
-                                            dense=dense, bad=bad, **var)
+            o, lse = run_variant(var, q, k, v, lay, None if dense else p.idx, None if dense else p.cnt, dense, bad)
             torch.cuda.synchronize()
             r = {"check": name, "variant": var, "rel_l2": rel(o, o_ref), "lse_maxerr": float((lse - l_ref).abs().max()),
                  "nan": bool(o.isnan().any() or lse.isnan().any()), "bad_rows": int(bad.item())}
@@ -135,9 +144,8 @@ def timing(args, variants, res):
             for var in variants:
                 key = ",".join(f"{a}={b}" for a, b in var.items())
                 bad = torch.zeros(1, dtype=torch.int32, device=dev)
-                fn = (lambda var=var, bad=bad: ws_attention.attention(
-                    q, k, v, lay, None if p is None else p.idx, None if p is None else p.cnt, dense=p is None,
-                    bad=bad, **var))
+                fn = (lambda var=var, bad=bad: run_variant(
+                    var, q, k, v, lay, None if p is None else p.idx, None if p is None else p.cnt, p is None, bad))
                 o, _ = fn()
                 torch.cuda.synchronize()
                 res["rows"].append({"tokens": t, "density": label, "variant": key, "vs_shipped_rel_l2": rel(o, o_s),

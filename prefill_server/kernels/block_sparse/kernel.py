@@ -54,7 +54,11 @@ FIXM_LIMIT = {torch.float16: 2.0 ** 15, torch.bfloat16: 2.0 ** 64, torch.float32
 # with fp16's p (limit 2**15) its narrower reference makes real logits fall back more often
 # (docs/bench/2026-12-06-diag-fixed/README.md); those keep fixm=1.
 DEFAULTS = dict(mode="grid", bn=64, num_warps=8, num_stages=2, maxnreg=128, ctas_per_sm=2, fma=1, kvload=2,
-                rcp=1, fixm=2)
+                rcp=1, fixm=2, gluon=1)
+# gluon=1: sparse bf16 masks on Hopper (sm_90) go to the warp-specialised kernel (``ws_kernel.py``)
+# wherever it applies (``_gluon_applies``), its flagged items redone online by ``_attn_redo``; H100,
+# same run, 128K 1 / 2%: 0.87 / 0.87x this kernel's time (docs/bench/2026-12-07-gluon-pipe/README.md).
+# A launch that names any launch option gets this Triton kernel.
 
 
 @triton.jit
@@ -170,10 +174,44 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K, SLOT_SEQ, SLOT_QBLK, IDX, CNT, K_DESC
               BN: tl.constexpr, D: tl.constexpr, DENSE: tl.constexpr, MERGED: tl.constexpr,
               FMA: tl.constexpr, KVLOAD: tl.constexpr, WS: tl.constexpr, RCP: tl.constexpr,
               FIXM: tl.constexpr = False, LIM: tl.constexpr = 1.0):
-    NSUB: tl.constexpr = BS // BN
-    M: tl.constexpr = TOK * GP
     SPLIT: tl.constexpr = BS // TOK
     item = tl.program_id(0) + tl.program_id(1) * (n_slots * SPLIT)
+    _program(item, Q, K, V, O, LSE, CU_Q, CU_K, SLOT_SEQ, SLOT_QBLK, IDX, CNT, K_DESC, V_DESC, n_slots, qk_scale,
+             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lt,
+             stride_is, stride_ih, stride_cs, G, GP, TOK, BS, BN, D, DENSE, MERGED, FMA, KVLOAD, WS, RCP, FIXM, LIM)
+
+
+@triton.jit
+def _attn_redo(FLAGS, n_items, Q, K, V, O, LSE, CU_Q, CU_K, SLOT_SEQ, SLOT_QBLK, IDX, CNT, n_slots, qk_scale,
+               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+               stride_lt, stride_is, stride_ih, stride_cs,
+               G: tl.constexpr, GP: tl.constexpr, TOK: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
+               D: tl.constexpr, RB: tl.constexpr):
+    """The items flagged (nonzero) in FLAGS [n_items], each from scratch with the online softmax; RB
+    flags per program, read at once (a launch over none flagged costs one load per program)."""
+    base = tl.program_id(0) * RB
+    offs = base + tl.arange(0, RB)
+    if tl.max(tl.load(FLAGS + offs, mask=offs < n_items, other=0), 0) != 0:
+        for i in range(0, RB):
+            item = base + i
+            if tl.load(FLAGS + item, mask=item < n_items, other=0) != 0:
+                _program(item, Q, K, V, O, LSE, CU_Q, CU_K, SLOT_SEQ, SLOT_QBLK, IDX, CNT, K, V, n_slots, qk_scale,
+                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                         stride_lt, stride_is, stride_ih, stride_cs, G, GP, TOK, BS, BN, D, False, False, True, 1,
+                         False, True, 0, 1.0)
+
+
+@triton.jit
+def _program(item, Q, K, V, O, LSE, CU_Q, CU_K, SLOT_SEQ, SLOT_QBLK, IDX, CNT, K_DESC, V_DESC, n_slots, qk_scale,
+             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+             stride_lt, stride_is, stride_ih, stride_cs,
+             G: tl.constexpr, GP: tl.constexpr, TOK: tl.constexpr, BS: tl.constexpr,
+             BN: tl.constexpr, D: tl.constexpr, DENSE: tl.constexpr, MERGED: tl.constexpr,
+             FMA: tl.constexpr, KVLOAD: tl.constexpr, WS: tl.constexpr, RCP: tl.constexpr,
+             FIXM: tl.constexpr, LIM: tl.constexpr):
+    """One work item (``_attn_fwd``'s program, or one ``_attn_redo`` redoes)."""
+    NSUB: tl.constexpr = BS // BN
+    M: tl.constexpr = TOK * GP
     slot, kvh, h0, q_start, q_len, k_start, tok0, off, diag_lo, q_last, live = _item(
         item, n_slots, SLOT_SEQ, SLOT_QBLK, CU_Q, CU_K, G, GP, TOK, BS)
     rows = tl.arange(0, M)
@@ -237,6 +275,33 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K, SLOT_SEQ, SLOT_QBLK, IDX, CNT, K_DESC
     _store(O, LSE, acc, m_i, l_i, q_start, tok, head, row_ok, stride_ot, stride_oh, stride_lt, D, RCP)
 
 
+def _attention_gluon(q, k, v, out, lse, layout, idx, cnt2, scale):
+    """The warp-specialised kernel, then the items it flagged (a fixed-reference sum past the limit)
+    redone online in the same stream (no host sync: a launch over the flags)."""
+    ws = _gluon_module()
+    flags = ws.attention(q, k, v, layout, idx, cnt2, scale * LOG2E, FIXM_LIMIT[v.dtype], out, lse)
+    redo_flagged(q, k, v, out, lse, layout, idx, cnt2, scale, flags, ws.GP, ws.TOK)
+    return out, lse
+
+
+def redo_flagged(q, k, v, out, lse, layout, idx, cnt2, scale, flags, gp, tok, rb: int = 256):
+    """Recompute the work items (``tok`` tokens x ``gp`` heads, numbered as ``tiles._item``) whose
+    int32 ``flags`` are nonzero with the online softmax, into ``out`` / ``lse``."""
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k.shape[1]
+    g = hq // hkv
+    bs = layout.block_size
+    n_items = layout.n_slots * (bs // tok) * hkv * (g // gp)
+    if n_items == 0:
+        return
+    kw = dict(num_warps=8, num_stages=2) if q.is_cuda else {}
+    _attn_redo[(triton.cdiv(n_items, rb),)](
+        flags, n_items, q, k, v, out, lse, layout.cu_q, layout.cu_k, layout.slot_seq, layout.slot_qblk, idx, cnt2,
+        layout.n_slots, scale * LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0), idx.stride(0), idx.stride(1), cnt2.stride(0),
+        G=g, GP=gp, TOK=tok, BS=bs, BN=min(64, bs), D=d, RB=rb, **kw)
+
+
 def quantize_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, float]:
     """float8 e4m3 codes of ``x`` with one scale for the tensor (its max magnitude maps to 448, the
     largest e4m3 value): x ~= codes * scale. For ``attention``'s FP8 scores (qk_descale = scale_q *
@@ -250,6 +315,31 @@ def _tma_ok(x: torch.Tensor, bn: int) -> bool:
     e = x.element_size()
     return (x.stride(1) == x.shape[2] and x.stride(2) == 1 and x.data_ptr() % 16 == 0
             and (x.stride(0) * e) % 16 == 0 and x.shape[0] >= 1)
+
+
+_GLUON: list = []  # the ws_kernel module once imported ([None]: not importable here)
+
+
+def _gluon_module():
+    if not _GLUON:
+        try:
+            from prefill_server.kernels.block_sparse import ws_kernel
+        except ImportError:  # a Triton without Gluon's Hopper API
+            ws_kernel = None
+        _GLUON.append(ws_kernel)
+    return _GLUON[0]
+
+
+def _gluon_applies(q, k, v, out, layout) -> bool:
+    """The warp-specialised kernel's domain: sm_90, bf16 q/k/v/out with D = 128 and heads packed
+    (TMA), GQA groups of a multiple of 4 heads, 128-token blocks."""
+    if not (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
+        return False
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k.shape[1]
+    ok = (d == 128 and layout.block_size == 128 and hq % hkv == 0 and (hq // hkv) % 4 == 0
+          and all(x.dtype == torch.bfloat16 and _tma_ok(x, 128) for x in (q, k, v, out)))
+    return ok and _gluon_module() is not None
 
 
 def default_tiling(g: int, block_size: int) -> tuple[int, int]:
@@ -268,13 +358,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, idx: to
               maxnreg: int | None = None, ctas_per_sm: int | None = None, nprog: int | None = None,
               fma: bool | None = None, kvload: int | None = None, ws: bool | None = None,
               rcp: bool | None = None, fixm: int | None = None, sched_cache: dict | None = None, sched=None,
-              out: torch.Tensor | None = None, lse: torch.Tensor | None = None, qk_descale: float = 1.0):
+              out: torch.Tensor | None = None, lse: torch.Tensor | None = None, qk_descale: float = 1.0,
+              gluon: bool | None = None):
     """Launch the kernel. ``idx`` int32 [n_slots, Hkv, cap] / ``cnt`` int32 [n_slots, Hkv] come from
     ``estimate.select_blocks`` or ``api.mask_to_indices``; ``dense=True`` ignores them and visits
     every causal block. ``mode``: "grid" | "merged" | "persistent" (``sched``: a ``schedule(...)``
     result, or ``sched_cache``: a dict the caller keeps per plan). Unset launch options take
     ``DEFAULTS`` on a GPU (the interpreter ignores them). ``out``/``lse`` may be given (preallocated;
-    ``out`` may be strided). Returns (out [Tq, Hq, D], lse [Tq, Hq] float32).
+    ``out`` may be strided). Returns (out [Tq, Hq, D], lse [Tq, Hq] float32). ``gluon``: the
+    warp-specialised Hopper kernel where it applies (default: ``DEFAULTS``, unless a launch option is named).
 
     FP8 scores: ``q`` and ``k`` may be float8 codes (e4m3) whose dot products times ``qk_descale``
     (the two per-tensor scales) are the true ones; the tensor cores take them at twice the bf16 rate.
@@ -285,6 +377,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, idx: to
     bs = layout.block_size
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1, "last dim must be contiguous"
     dflt = DEFAULTS if q.is_cuda else {}
+    if gluon is None:  # a launch naming any option of this kernel gets this kernel
+        gluon = bool(dflt.get("gluon")) and all(x is None for x in (
+            mode, gp, tok, bn, num_warps, num_stages, maxnreg, ctas_per_sm, nprog, fma, kvload, ws, rcp, fixm, sched))
     mode = mode or dflt.get("mode", "grid")
     num_warps = num_warps or dflt.get("num_warps")
     num_stages = num_stages or dflt.get("num_stages")
@@ -315,6 +410,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, idx: to
         if fixm == 2 and (dense or v.dtype == torch.float16):
             fixm = 1  # (DEFAULTS' comment)
     cnt2 = cnt.view(cnt.shape[0], -1)
+    if gluon and not dense and fixm and _gluon_applies(q, k, v, out, layout):
+        return _attention_gluon(q, k, v, out, lse, layout, idx, cnt2, scale)
     kw = {}
     if num_warps is not None:
         kw["num_warps"] = num_warps
