@@ -294,6 +294,30 @@ def test_gpu_warp_specialised_kernel(q_lens, k_lens, density):
 
 
 @pytest.mark.gpu
+def test_gpu_warp_specialised_kernel_on_views_of_one_qkv_buffer():
+    """q, k, v as column slices of one [T, (Hq + 2 Hkv) * D] projection (rows strided, heads packed: its
+    TMA descriptors take the row stride), the output a row slice of a larger buffer."""
+    kernel = _needs_gluon()
+    bs, hq, hkv, d = 128, 32, 8, 128
+    q0, k0, v0, cu_q, cu_k = batch([3000, 777], [3000, 777], hq, hkv, d, bs, dtype=torch.bfloat16, device="cuda")
+    t = q0.shape[0]
+    qkv = torch.cat([q0.view(t, -1), k0.view(t, -1), v0.view(t, -1)], 1)
+    q = qkv[:, :hq * d].view(t, hq, d)
+    k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+    lay = build_layout(cu_q, cu_k, t, t, bs)
+    sel = torch.rand(lay.n_slots, hkv, lay.max_kblocks, device="cuda") < 0.1
+    p = plan_from_mask(sel, lay, SparseConfig())
+    big = torch.full((t + 64, hq, d), float("nan"), dtype=q.dtype, device="cuda")
+    out = big[32:32 + t]
+    assert not q.is_contiguous() and kernel._gluon_applies(q, k, v, out, lay)
+    p.run(q, k, v, out=out)
+    o2, _ = ref.attention(q0, k0, v0, lay, sel)
+    assert rel_l2(out, o2) < TOL[torch.bfloat16]
+    assert torch.isnan(big[:32]).all() and torch.isnan(big[32 + t:]).all()
+
+
+@pytest.mark.gpu
 def test_gpu_warp_specialised_kernel_redoes_what_its_fixed_reference_cannot_hold():
     """One early key block scores far above the diagonal region (past the 2**64 limit of the fixed
     reference): the items it reaches are flagged and redone online; the result is the reference's."""

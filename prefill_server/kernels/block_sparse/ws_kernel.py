@@ -304,11 +304,11 @@ def _attn_ws(q_desc, k_desc, v_desc, kd_desc, vd_desc, o_desc, O, LSE, FLAGS, CU
 
 
 def _desc(x: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    """x [T, H, D] (heads packed) as the 2-D TMA tensor [T, H * D]."""
+    """x [T, H, D] (heads packed; rows may be strided, as slices of one projection) as the 2-D TMA
+    tensor [T, H * D]."""
     t, h, d = x.shape
     lay = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16)
-    return TensorDescriptor(x.view(t, h * d) if x.is_contiguous() else x.as_strided((t, h * d), (x.stride(0), 1)),
-                            [t, h * d], [x.stride(0), 1], block, lay)
+    return TensorDescriptor(x, [t, h * d], [x.stride(0), 1], block, lay)
 
 
 def attention(q, k, v, layout, idx, cnt2, qk_scale_log2: float, lim: float, out, lse) -> torch.Tensor:
