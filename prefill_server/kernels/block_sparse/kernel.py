@@ -57,7 +57,7 @@ DEFAULTS = dict(mode="grid", bn=64, num_warps=8, num_stages=2, maxnreg=128, ctas
                 rcp=1, fixm=2, gluon=1)
 # gluon=1: sparse bf16 masks on Hopper (sm_90) go to the warp-specialised kernel (``ws_kernel.py``)
 # wherever it applies (``_gluon_applies``), its flagged items redone online by ``_attn_redo``; H100,
-# same run, 128K 1 / 2%: 0.87 / 0.87x this kernel's time (docs/bench/2026-12-07-gluon-pipe/README.md).
+# same runs, 128K 1 / 2%: 0.87-0.89 / 0.87-0.90x this kernel's time (docs/bench/2026-12-07-gluon-pipe/).
 # A launch that names any launch option gets this Triton kernel.
 
 
