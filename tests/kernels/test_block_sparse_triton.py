@@ -153,6 +153,35 @@ def test_redo_recomputes_exactly_the_flagged_items(triton_device, which):
         assert (lse.double().cpu()[done] - l2[done]).abs().max() < 1e-4
 
 
+def test_a_warp_specialised_kernel_that_fails_to_launch_leaves_the_triton_kernel(triton_device, monkeypatch, caplog):
+    """Where the Gluon kernel applies but cannot be launched (a Triton whose Gluon no longer compiles
+    it: here its launch raises), the call is answered by the Triton kernel, with a warning, and later
+    calls go straight to it."""
+    from prefill_server.kernels.block_sparse import kernel
+
+    class Broken:
+        GP, TOK = 4, 32
+        calls = 0
+
+        def attention(self, *a, **kw):
+            Broken.calls += 1
+            raise RuntimeError("PassManager::run failed")
+
+    monkeypatch.setattr(kernel, "_GLUON", [Broken()])
+    monkeypatch.setattr(kernel, "_gluon_applies", lambda *a: kernel._GLUON[0] is not None)
+    monkeypatch.setitem(kernel.DEFAULTS, "gluon", 1)
+    bs = 32
+    q, k, v, cu_q, cu_k = batch([77], [77], 8, 2, 64, bs, device=triton_device)
+    lay = build_layout(cu_q, cu_k, q.shape[0], k.shape[0], bs)
+    sel = torch.rand(lay.n_slots, 2, lay.max_kblocks, generator=torch.Generator().manual_seed(2)) < 0.5
+    p = plan_from_mask(sel.to(triton_device), lay, SparseConfig(block_size=bs, backend="triton"))
+    o2, _ = brute_force(q, k, v, cu_q, cu_k, sel, bs)
+    for _ in range(2):
+        o, _ = kernel.attention(q, k, v, lay, p.idx, p.cnt, gluon=True, fixm=1)
+        assert rel_l2(o.cpu(), o2) < TOL[torch.float32]
+    assert Broken.calls == 1 and "using the Triton kernel from now on" in caplog.text
+
+
 @pytest.mark.parametrize("gp,tok,bn", [(4, 32, 32), (2, 16, 16), (4, 8, 32), (1, 32, 16)])
 def test_fixed_reference_tilings_and_unaligned_diagonals(triton_device, gp, tok, bn):
     """fixm 2 (one online step on the diagonal tile holding the item's first query, the rest against

@@ -25,6 +25,7 @@ Imported lazily by ``api.py``: importing the package never needs Triton.
 """
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -34,6 +35,7 @@ import triton.language as tl
 from prefill_server.kernels.block_sparse.tiles import BIG, _item, _store, _update, _update_fixed
 
 LOG2E = 1.4426950408889634
+log = logging.getLogger(__name__)
 last_compiled = None  # the last launch's compiled kernel (registers / spills for diagnostics)
 # Launch defaults on a GPU, chosen from the H200 sweeps in docs/kernels-notes.md. ``gp``/``tok``
 # (GQA packing) default to ``default_tiling``; maxnreg=128 lets two 256-thread programs share an SM;
@@ -411,7 +413,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, idx: to
             fixm = 1  # (DEFAULTS' comment)
     cnt2 = cnt.view(cnt.shape[0], -1)
     if gluon and not dense and fixm and _gluon_applies(q, k, v, out, layout):
-        return _attention_gluon(q, k, v, out, lse, layout, idx, cnt2, scale)
+        try:
+            return _attention_gluon(q, k, v, out, lse, layout, idx, cnt2, scale)
+        except Exception as e:  # e.g. a Triton whose Gluon compiles it no more: this kernel from now on
+            log.warning("the warp-specialised sparse kernel failed (%s: %s); using the Triton kernel from now on",
+                        type(e).__name__, e)
+            _GLUON[:] = [None]
     kw = {}
     if num_warps is not None:
         kw["num_warps"] = num_warps
