@@ -313,7 +313,7 @@ def _desc(x: torch.Tensor, block: list[int]) -> TensorDescriptor:
 
 def attention(q, k, v, layout, idx, cnt2, qk_scale_log2: float, lim: float, out, lse) -> torch.Tensor:
     """Launch over every item; returns the int32 flags [n_items] of items to redo online (nonzero).
-    The caller has checked ``supported``."""
+    The caller has checked ``kernel._gluon_applies``."""
     tq, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
