@@ -181,6 +181,15 @@ def test_a_warp_specialised_kernel_that_fails_to_launch_leaves_the_triton_kernel
         assert rel_l2(o.cpu(), o2) < TOL[torch.float32]
     assert Broken.calls == 1 and "using the Triton kernel from now on" in caplog.text
 
+    class OutOfMemory(Broken):  # a moment's memory shortage is the caller's, and keeps the kernel
+        def attention(self, *a, **kw):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(kernel, "_GLUON", [OutOfMemory()])
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        kernel.attention(q, k, v, lay, p.idx, p.cnt, gluon=True, fixm=1)
+    assert isinstance(kernel._GLUON[0], OutOfMemory)
+
 
 @pytest.mark.parametrize("gp,tok,bn", [(4, 32, 32), (2, 16, 16), (4, 8, 32), (1, 32, 16)])
 def test_fixed_reference_tilings_and_unaligned_diagonals(triton_device, gp, tok, bn):

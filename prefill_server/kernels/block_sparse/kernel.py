@@ -326,7 +326,7 @@ def _gluon_module():
     if not _GLUON:
         try:
             from prefill_server.kernels.block_sparse import ws_kernel
-        except ImportError:  # a Triton without Gluon's Hopper API
+        except Exception:  # a Triton without Gluon's Hopper API (missing, or changed under the same names)
             ws_kernel = None
         _GLUON.append(ws_kernel)
     return _GLUON[0]
@@ -415,6 +415,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, idx: to
     if gluon and not dense and fixm and _gluon_applies(q, k, v, out, layout):
         try:
             return _attention_gluon(q, k, v, out, lse, layout, idx, cnt2, scale)
+        except torch.cuda.OutOfMemoryError:  # the moment's memory, not the kernel: the caller's to handle
+            raise
         except Exception as e:  # e.g. a Triton whose Gluon compiles it no more: this kernel from now on
             log.warning("the warp-specialised sparse kernel failed (%s: %s); using the Triton kernel from now on",
                         type(e).__name__, e)
