@@ -36,6 +36,9 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "see
            "repetition_penalty", "stop", "stop_token_ids", "return_tokens_as_token_ids", "logprobs", "cache_salt"}
 _ALLOWED = {"completion": _COMMON | {"prompt", "echo", "best_of"},
             "chat": _COMMON | {"messages", "top_logprobs", "max_completion_tokens"}}
+# A completion request without max_tokens asks for this many (vLLM's CompletionRequest default; a
+# chat's is the context): the decode's request for the rest is a completion, so it is always given one.
+COMPLETION_MAX_TOKENS = 16
 # Fields the decode must see as given (the rest of the decode's body is built here).
 _PASSED = ("temperature", "top_p", "top_k", "min_p", "seed", "user", "ignore_eos", "skip_special_tokens",
            "spaces_between_special_tokens", "stop_token_ids", "cache_salt")
@@ -59,7 +62,7 @@ class Plan:
 
     kind: str  # "completion" | "chat"
     body: dict  # the client's JSON body
-    max_tokens: int | None  # None: the decode's default (up to the context)
+    max_tokens: int | None  # the whole answer's limit (None: up to the context)
     num_logprobs: int | None  # logprobs asked for: None = none, k = top k (+ the sampled token)
     as_token_ids: bool  # the client asked for "token_id:N" strings
 
@@ -88,8 +91,10 @@ def plan(kind: str, body: dict) -> Plan | None:
         return None
     if not isinstance(g("stop_token_ids", []), (list, type(None))):
         return None
-    max_tokens = g("max_completion_tokens") if kind == "chat" and g("max_completion_tokens") is not None \
-        else g("max_tokens")
+    if kind == "chat":
+        max_tokens = g("max_completion_tokens") if g("max_completion_tokens") is not None else g("max_tokens")
+    else:  # (an absent max_tokens is vLLM's completion default; null: up to the context)
+        max_tokens = g("max_tokens", COMPLETION_MAX_TOKENS)
     if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 2):
         return None
     if kind == "chat":
@@ -129,8 +134,9 @@ class FirstToken:
         out = {k: b[k] for k in _PASSED if k in b}
         out |= {"model": b.get("model") or served_name, "prompt": [*prompt_ids, self.token_id],
                 "stream": p.stream, "kv_transfer_params": kv_transfer_params}
-        if p.max_tokens is not None:
-            out["max_tokens"] = p.max_tokens - 1
+        # the rest of the answer, one token fewer; null (not absent: a completion's default is 16)
+        # lets the decode go up to its context, as it would have for the whole answer
+        out["max_tokens"] = None if p.max_tokens is None else p.max_tokens - 1
         if "stream_options" in b:
             out["stream_options"] = b["stream_options"]
         if p.num_logprobs is not None:  # as ids: strings are made here, for both kinds

@@ -160,6 +160,26 @@ def test_limits_are_the_decodes(vllm_decode, gateway):
     assert gateway.wait_pool_empty() == 0
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "The history of the sea is"}),  # vLLM's completion default: 16 tokens
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Say ok."}]}),  # a chat's: the context
+])
+def test_a_greedy_answer_without_max_tokens_is_as_long_as_vllm_alones(vllm_decode, gateway, path, body):
+    """t1 comes from the prefill and the decode is asked for the rest as a completion, whose own
+    default (16) must not cut a chat short nor add t1 to a completion's 16."""
+    body = body | {"temperature": 0}
+    ahead = metric(gateway.url, "prefill_server:first_token_total", '{sampled_by="prefill"}')
+    ours = httpx.post(gateway.url + path, json=body, timeout=300).json()
+    theirs = httpx.post(vllm_decode.url + path, json={**body, "model": vllm_decode.model}, timeout=300).json()
+    assert metric(gateway.url, "prefill_server:first_token_total", '{sampled_by="prefill"}') == ahead + 1
+    for answer in (ours, theirs):
+        c = answer["choices"][0]
+        answer["seen"] = (c.get("text") or c["message"]["content"], c["finish_reason"],
+                          answer["usage"]["completion_tokens"])
+    assert ours["seen"] == theirs["seen"]
+    assert gateway.wait_pool_empty() == 0
+
+
 def _stream(url: str, path: str, body: dict) -> list[dict]:
     with httpx.stream("POST", url + path, json=body, timeout=300) as r:
         assert r.status_code == 200, r.read()
