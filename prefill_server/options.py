@@ -128,7 +128,8 @@ OPTIONS: tuple[Option, ...] = (
          "(--workers), also the longest a request waits for a worker to run (then 503)",
          type=float, metavar="SECONDS"),
     _opt("--lease-ttl", "engine", "engine.lease_ttl_s",
-         "seconds finished KV is held for the decode (heartbeats extend it)", type=float, metavar="SECONDS"),
+         "seconds finished KV is held for the decode to read (its heartbeats extend it, and so does this "
+         "server's open call to it)", type=float, metavar="SECONDS"),
     _opt("--warm-up-tokens", "engine", "engine.warm_up_tokens", "before serving, two forwards of this many "
          "placeholder tokens: the first pays the one-time costs the first request would pay, the second "
          "measures the throughput that admission (--max-queue-wait) uses from the first request on "

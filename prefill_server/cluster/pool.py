@@ -8,6 +8,7 @@ this process (``engine/worker.py``), answered by whichever worker the router pic
     start_stream(req)  (future of kv_transfer_params, future of the result)
     release(rid)       to the worker that holds the request (cancel, or end its lease); held back
                        while that worker is silent, dropped once it is gone
+    keep(rids, ttl)    to each worker holding some of these leases: hold them ttl more
 
 Recovery: a worker that dies is replaced by Serve (one that hangs too: its health check fails). A
 request on it fails with ``WorkerLost`` (503), or is run once more on another worker when the decode
@@ -271,6 +272,23 @@ class RayPool:
                                                                 "_hints": {"replica": worker}}), CALL_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - a worker gone meanwhile took its leases with it
             log.info("pool: release of %s on %s failed (%s)", request_id, worker, type(e).__name__)
+
+    def keep(self, request_ids: list[str], ttl_s: float) -> None:
+        """One call to each worker holding some of these leases (those of gone workers went with them)."""
+        by_worker: dict[str, list[str]] = {}
+        running = self._running_ids()
+        for rid in request_ids:
+            if (worker := self._leases.get(rid)) is not None and worker in running:
+                by_worker.setdefault(worker, []).append(rid)
+        for worker, ids in by_worker.items():
+            asyncio.run_coroutine_threadsafe(self._keep(ids, ttl_s, worker), self._loop)
+
+    async def _keep(self, request_ids: list[str], ttl_s: float, worker: str) -> None:
+        try:
+            await asyncio.wait_for(self._handle.keep.remote({"request_ids": request_ids, "ttl_s": ttl_s,
+                                                             "_hints": {"replica": worker}}), CALL_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - a worker gone or hung: the next round tries again
+            log.info("pool: keeping %d leases on %s failed (%s)", len(request_ids), worker, type(e).__name__)
 
     def progress(self, request_id: str) -> Progress | None:
         return self._progress.get(request_id)

@@ -116,6 +116,9 @@ class PrefillReplica:
     def release(self, request: dict[str, Any]) -> bool:
         return self.worker.release(str(request["request_id"]))
 
+    def keep(self, request: dict[str, Any]) -> None:
+        self.worker.keep([str(r) for r in request["request_ids"]], float(request["ttl_s"]))
+
     def info(self, _request: dict[str, Any] | None = None) -> dict[str, Any]:
         w = self.worker
         return {"worker": self.id, "node_ip": self.node_ip, "pid": os.getpid(), "gpu_ids": self.gpu_ids,

@@ -317,6 +317,12 @@ class Engine:
         # (a lease published already, its caller answered, is freed here; one not yet, by _finish)
         return bool(self.producer.abort(request_id)) or seq is not None
 
+    def keep_leases(self, request_ids: list[str], ttl_s: float) -> int:
+        """Hold these handed-over requests' KV at least ``ttl_s`` more: their decode calls are still
+        open (the gateway's), so a decode that stalls past the lease still reads its own KV, never
+        blocks freed and given to another request. Returns how many were still leased."""
+        return sum(self.pool.extend(rid, ttl_s) for rid in request_ids)
+
     # ---- the loop ----
     def _loop(self) -> None:
         lower_thread_priority(self.nice)

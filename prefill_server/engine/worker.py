@@ -56,6 +56,9 @@ class PrefillWorker(Protocol):
     def submit(self, req: PrefillRequest) -> Future: ...
     def start_stream(self, req: PrefillRequest) -> tuple[Future, Future]: ...
     def release(self, request_id: str) -> bool: ...
+    def keep(self, request_ids: list[str], ttl_s: float) -> None:
+        """Hold these requests' leased KV at least ``ttl_s`` more (``Engine.keep_leases``); ids with
+        no lease (read and freed, never leased, unknown) are passed over."""
     def progress(self, request_id: str) -> Progress | None: ...
     def load(self) -> WorkerLoad: ...
     def alive(self) -> bool: ...
@@ -95,6 +98,9 @@ class LocalWorker(PrefillWorker):
 
     def release(self, request_id: str) -> bool:
         return self.engine.abort(request_id)
+
+    def keep(self, request_ids: list[str], ttl_s: float) -> None:
+        self.engine.keep_leases(request_ids, ttl_s)
 
     def progress(self, request_id: str) -> Progress | None:
         snap = self.engine.progress(request_id)

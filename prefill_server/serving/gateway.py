@@ -36,6 +36,7 @@ from prefill_server.serving.relay import (chain, check_prompt_tokens, consume, d
                                           raise_prefill_failure, renamer, streamed_cached_tokens)
 from prefill_server.serving.stream_relay import StreamUsage, relay
 from prefill_server.serving.decodes import Assignment, DecodeSet
+from prefill_server.serving.lease_keeper import LeaseKeeper
 from prefill_server.serving.service import PrefillService
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class Gateway:
     def __init__(self, service: PrefillService, decodes: DecodeSet | None):
         self.service, self.decodes = service, decodes  # decodes None: transfer mode "local"
         self.metrics = service.metrics
+        self.leases = LeaseKeeper(service.keep, service.info.lease_ttl_s)  # held while a decode call is open
 
     # ---- entry points ----
     async def completion(self, raw: dict, tag: str | None = None) -> Answer | Stream:
@@ -418,6 +420,8 @@ class Gateway:
             if c.usage and svc.info.prefix_cache and not c.first:  # (t1 ahead: StreamState adds it)
                 c.usage.cached_tokens = (lambda: c.cached_tokens) if c.prefill is None else \
                     (lambda: ended_cached_tokens(c.prefill))
+        self.leases.hold(c.request_id)  # (dropped when the call ends: here, or where its stream ends)
+        relaying = False
         try:
             resp = await self._send(c)
             if not c.stream:
@@ -433,6 +437,7 @@ class Gateway:
             else:
                 events = relay(self, resp, c)
                 first = await events.__anext__()  # started: its cleanup runs however the stream ends
+                relaying = True
                 return Stream(chain(first, events))
         except BaseException as e:  # unreachable decode, client gone (a started relay has cleaned up)
             svc.release(c.request_id)
@@ -442,6 +447,9 @@ class Gateway:
                 self.decodes.report_unreachable(c.decode.decode, e.message)
             c.decode.end()
             raise
+        finally:
+            if not relaying:
+                self.leases.drop(c.request_id)
         if resp.status_code >= 400:  # the decode refused or failed: it will not use our KV
             svc.release(c.request_id)
             self.metrics.kv_failed.inc()

@@ -66,7 +66,7 @@ def build_service(ecfg: EngineConfig, scfg: ServerConfig,
     info = ModelInfo(served, m.path, c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size, worker.max_model_len,
                      str(m.dtype).removeprefix("torch."), worker.block_size,
                      max_model_len_source=source, prefix_cache=ecfg.prefix_cache,
-                     kv_cache_dtype=ecfg.kv_cache_dtype)
+                     kv_cache_dtype=ecfg.kv_cache_dtype, lease_ttl_s=ecfg.lease_ttl_s)
     return PrefillService(worker, m.tokenizer, info, backend, first_token=first_token_mode(scfg, backend),
                           eos_token_ids=c.eos_token_ids, parity=parity)
 

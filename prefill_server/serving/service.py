@@ -28,6 +28,7 @@ class ModelInfo:
     max_model_len_source: str = "the model's context"  # or "the decode's --max-model-len"
     prefix_cache: bool = False  # --prefix-cache: KV of repeated prompt heads is reused
     kv_cache_dtype: str = "auto"  # --kv-cache-dtype: how pages are stored ("fp8": e4m3, one byte a value)
+    lease_ttl_s: float = 30.0  # --lease-ttl: how long handed-over KV waits for a decode to read it
 
 
 class PrefillService:
@@ -166,6 +167,10 @@ class PrefillService:
 
     def release(self, request_id: str) -> bool:
         return self.worker.release(request_id)
+
+    def keep(self, request_ids: list[str]) -> None:
+        """Hold these requests' leased KV another lease TTL (their decode calls are open)."""
+        self.worker.keep(request_ids, self.info.lease_ttl_s)
 
     def refuse_room(self, room: int, reason: str) -> None:
         """An SGLang PD request refused here: the decode the router sent it too fails it at once."""

@@ -177,6 +177,7 @@ async def relay(gw: Gateway, resp: httpx.Response, c: _Call) -> AsyncIterator[by
         outcome = "InternalError"
         raise
     finally:
+        gw.leases.drop(c.request_id)
         await resp.aclose()
         c.decode.end()
         if c.release_after:

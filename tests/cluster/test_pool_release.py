@@ -4,6 +4,9 @@ every other request's routing), sent once it answers again, dropped once it is g
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
+from collections import OrderedDict
 from types import SimpleNamespace
 
 import pytest
@@ -82,3 +85,32 @@ def test_a_release_for_a_worker_gone_while_silent_is_dropped(router, monkeypatch
     router.silent.add("w1")
     asyncio.run(asyncio.wait_for(p._release("pf-4", "w1"), 5))
     assert sent == []
+
+
+def test_keep_sends_each_worker_its_leases_in_one_call(router):
+    """The gateway's lease keeper (``RayPool.keep``): one call per worker holding some of the
+    requests; requests of a gone worker (its leases went with it) or unknown ones are passed over."""
+    sent: list[dict] = []
+
+    async def remote(body):
+        sent.append(body)
+
+    p = RayPool.__new__(RayPool)
+    p._handle = SimpleNamespace(keep=SimpleNamespace(remote=remote))
+    p._leases = OrderedDict([("a", "w1"), ("b", "w2"), ("c", "w1"), ("d", "gone")])
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    p._loop = loop
+    try:
+        p.keep(["a", "b", "c", "d", "unknown"], 30.0)
+        deadline = time.monotonic() + 5
+        while len(sent) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+    assert sorted(sent, key=lambda b: b["_hints"]["replica"]) == [
+        {"request_ids": ["a", "c"], "ttl_s": 30.0, "_hints": {"replica": "w1"}},
+        {"request_ids": ["b"], "ttl_s": 30.0, "_hints": {"replica": "w2"}}]

@@ -102,7 +102,7 @@ def make_service(*, num_blocks=24, block_size=8, token_budget=64, max_queue_wait
                     vocab_size=VOCAB, token_budget=token_budget, max_num_seqs=8,
                     max_queue_wait_s=max_queue_wait_s)
     info = ModelInfo("tiny", "/models/tiny", len(model.qkv), model.kv_heads, model.head_dim, VOCAB,
-                     max_model_len, "float32", block_size, prefix_cache=prefix_cache)
+                     max_model_len, "float32", block_size, prefix_cache=prefix_cache, lease_ttl_s=lease_ttl_s)
     return PrefillService(LocalWorker(engine), ByteTokenizer(), info, LocalBackend())
 
 

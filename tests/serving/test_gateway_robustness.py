@@ -65,6 +65,34 @@ def test_decode_counting_another_prompt_gets_502_not_its_answer(stack):
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_a_decode_that_stalls_past_the_lease_still_finds_its_kv(stream):
+    """A decode that stalls past --lease-ttl without heartbeats (a frozen worker) must never read
+    blocks freed meanwhile and handed to another request: while the gateway's call to it is open,
+    the request's lease is held; once the call has ended it runs out as any lease does."""
+    ttl = 0.6
+    svc = make_service(num_blocks=64, max_queue_wait_s=30.0, lease_ttl_s=ttl)
+    svc.worker.engine.start()
+    pool = svc.worker.engine.pool
+    try:
+        with FakeDecode(delay_s=5 * ttl) as decode, BackgroundServer(create_app(svc, DecodeClient(decode.url))) as gw:
+            answer = {}
+
+            def call():
+                answer["r"] = httpx.post(gw.url + "/v1/completions", timeout=30,
+                                         json={"prompt": "hello there", "max_tokens": 3, "stream": stream})
+            t = threading.Thread(target=call)
+            t.start()
+            assert wait_for(lambda: decode.requests, 10.0)
+            time.sleep(3 * ttl)  # (expired leases are freed every 0.5 s)
+            assert pool.num_leases == 1, "the lease ran out while its decode call was open"
+            t.join(30)
+            assert answer["r"].status_code == 200
+            assert wait_for(lambda: pool.num_used == 0, 2 * ttl + 1.0), "the lease was held after the call"
+    finally:
+        svc.worker.engine.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_client_gone_during_prefill_cancels_it_and_never_reaches_the_decode(stack, stream):
     svc, decode, url = stack
     svc.worker.engine.runner.model.delay_s = 0.4
