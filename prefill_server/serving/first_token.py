@@ -36,8 +36,9 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "see
            "repetition_penalty", "stop", "stop_token_ids", "return_tokens_as_token_ids", "logprobs", "cache_salt"}
 _ALLOWED = {"completion": _COMMON | {"prompt", "echo", "best_of"},
             "chat": _COMMON | {"messages", "top_logprobs", "max_completion_tokens"}}
-# A completion request without max_tokens asks for this many (vLLM's CompletionRequest default; a
-# chat's is the context): the decode's request for the rest is a completion, so it is always given one.
+# A completion request without max_tokens (or with null) asks for this many (vLLM's CompletionRequest
+# default; a chat's is what the context leaves): the decode's request for the rest is a completion, so
+# it is always given its limit.
 COMPLETION_MAX_TOKENS = 16
 # Fields the decode must see as given (the rest of the decode's body is built here).
 _PASSED = ("temperature", "top_p", "top_k", "min_p", "seed", "user", "ignore_eos", "skip_special_tokens",
@@ -62,7 +63,7 @@ class Plan:
 
     kind: str  # "completion" | "chat"
     body: dict  # the client's JSON body
-    max_tokens: int | None  # the whole answer's limit (None: up to the context)
+    max_tokens: int | None  # the whole answer's limit (None, a chat's default: what the context leaves)
     num_logprobs: int | None  # logprobs asked for: None = none, k = top k (+ the sampled token)
     as_token_ids: bool  # the client asked for "token_id:N" strings
 
@@ -93,8 +94,8 @@ def plan(kind: str, body: dict) -> Plan | None:
         return None
     if kind == "chat":
         max_tokens = g("max_completion_tokens") if g("max_completion_tokens") is not None else g("max_tokens")
-    else:  # (an absent max_tokens is vLLM's completion default; null: up to the context)
-        max_tokens = g("max_tokens", COMPLETION_MAX_TOKENS)
+    else:  # (absent or null: vLLM's completion default)
+        max_tokens = COMPLETION_MAX_TOKENS if g("max_tokens") is None else g("max_tokens")
     if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 2):
         return None
     if kind == "chat":
@@ -127,6 +128,7 @@ class FirstToken:
     cached_tokens: int | None = None  # the prefill's prefix-cache hit, for usage (None: no prefix cache)
     # ``return_token_ids`` in an answer t1 is all of: the prompt's ids, shown (with [t1]) where vLLM shows them
     shown_prompt_ids: tuple[int, ...] | None = None
+    max_model_len: int = 0  # the decode's context (a chat without a limit may fill it)
 
     # ---- the decode's request ----
     def decode_body(self, prompt_ids: list[int], served_name: str, kv_transfer_params: dict) -> dict:
@@ -134,9 +136,10 @@ class FirstToken:
         out = {k: b[k] for k in _PASSED if k in b}
         out |= {"model": b.get("model") or served_name, "prompt": [*prompt_ids, self.token_id],
                 "stream": p.stream, "kv_transfer_params": kv_transfer_params}
-        # the rest of the answer, one token fewer; null (not absent: a completion's default is 16)
-        # lets the decode go up to its context, as it would have for the whole answer
-        out["max_tokens"] = None if p.max_tokens is None else p.max_tokens - 1
+        # the rest of the answer: one token fewer than the whole answer's limit (a chat's default
+        # is what the context leaves after the prompt; vLLM 0.32's completion takes null as 16)
+        limit = self.max_model_len - len(prompt_ids) if p.max_tokens is None else p.max_tokens
+        out["max_tokens"] = limit - 1
         if "stream_options" in b:
             out["stream_options"] = b["stream_options"]
         if p.num_logprobs is not None:  # as ids: strings are made here, for both kinds
@@ -383,4 +386,4 @@ def first_token(p: Plan, tokenizer, eos_ids: tuple[int, ...], prompt_ids: list[i
         return None  # an incomplete character, or a special token the answer would not show
     if p.num_logprobs is not None and not logprobs:
         return None
-    return FirstToken(p, token_id, text, logprobs, len(prompt_ids), tokenizer)
+    return FirstToken(p, token_id, text, logprobs, len(prompt_ids), tokenizer, max_model_len=max_model_len)

@@ -68,8 +68,8 @@ class LocalAnswer:
                     text = text[:i + len(s)] if keep_stop else text[:i]
                     break
         self.first = ft.FirstToken(p, t, text, result.first_logprobs, len(prompt_ids), tokenizer,
-                                   result.num_cached_tokens,
-                                   tuple(prompt_ids) if b.get("return_token_ids") is True else None)
+                                   cached_tokens=result.num_cached_tokens,
+                                   shown_prompt_ids=tuple(prompt_ids) if b.get("return_token_ids") is True else None)
 
     def body(self) -> dict:
         return self.first.alone(self.request_id, self.model, self.finish_reason, self.stop_reason)

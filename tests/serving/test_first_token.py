@@ -87,21 +87,21 @@ def _decode_completion(tok, ids, lps, tops, finish="length", prompt_tokens=10):
 
 @pytest.mark.parametrize("kind, limit, sent", [
     ("completion", {}, 15),  # absent: vLLM's completion default, 16 in all
-    ("completion", {"max_tokens": None}, None),  # null: up to the context, there as here
+    ("completion", {"max_tokens": None}, 15),  # (vLLM 0.32 takes null as the default)
     ("completion", {"max_tokens": 5}, 4),
-    ("chat", {}, None),  # a chat's default is the context
-    ("chat", {"max_tokens": None}, None),
+    ("chat", {}, "context"),  # a chat's default is what the context leaves
+    ("chat", {"max_tokens": None}, "context"),
     ("chat", {"max_completion_tokens": 5}, 4),
 ])
 def test_the_decode_is_asked_for_the_rest_of_the_answers_limit(local_service, kind, limit, sent):
-    """The decode's request for the rest is always a completion, whose absent max_tokens means 16:
-    it is given the client's limit less t1, or null where the client's answer may fill the context."""
+    """The decode's request for the rest is always a completion, whose absent or null max_tokens
+    means 16: it is given the client's limit less t1, or what the context leaves after prompt + [t1]."""
     tok = local_service.tokenizer
     prompt = tok.encode("The sea is")
     base = {k: v for k, v in (CHAT if kind == "chat" else GREEDY).items() if k != "max_tokens"}
     p = ft.plan(kind, {**base, **limit})
     body = _first(tok, p, prompt, _ids(tok, " blue")[0]).decode_body(prompt, "served", {})
-    assert "max_tokens" in body and body["max_tokens"] == sent
+    assert body["max_tokens"] == (8192 - len(prompt) - 1 if sent == "context" else sent)
 
 
 def test_merge_completion_puts_t1_first(local_service):
