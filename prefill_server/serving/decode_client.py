@@ -7,6 +7,11 @@ import httpx
 
 from prefill_server.errors import DecodeNotReached, DecodeTimeout, DecodeUnavailable
 
+# An idle connection is dropped here after this long, well before a vLLM server closes it (uvicorn's
+# keep-alive there: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s): with both at 5 s a request sent on a connection
+# the decode was closing at that moment failed with a ReadError (502) though the decode was up.
+KEEPALIVE_S = 2.0
+
 
 class DecodeClient:
     """``timeout_s`` (--decode-timeout): the most one request's whole answer may take, streamed or
@@ -15,8 +20,11 @@ class DecodeClient:
     def __init__(self, base_url: str, timeout_s: float = 600.0):
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
-        self._client = httpx.AsyncClient(base_url=self.base_url,
-                                         timeout=httpx.Timeout(timeout_s, connect=10.0))
+        # (no cap on connections: every answer in flight holds one, and httpx's default of 100
+        # would queue the 101st request to a decode that batches hundreds)
+        self._client = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(timeout_s, connect=10.0),
+                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
+                                                             keepalive_expiry=KEEPALIVE_S))
 
     def timed_out(self, path: str) -> DecodeTimeout:
         return DecodeTimeout(f"the decode at {self.base_url}{path} did not finish its answer within --decode-timeout "
